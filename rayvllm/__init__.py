@@ -1,0 +1,23 @@
+"""rayvllm: a vLLM-class LLM inference and serving engine, native to Ray."""
+
+from rayvllm.sampling_params import SamplingParams
+
+__all__ = ["SamplingParams", "LLM", "RequestOutput", "CompletionOutput", "EngineArgs"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import rayvllm` stays cheap and the sampling/config types
+    # import without pulling in torch models or the tokenizer stack.
+    if name == "LLM":
+        from rayvllm.entrypoints.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from rayvllm import outputs
+
+        return getattr(outputs, name)
+    if name == "EngineArgs":
+        from rayvllm.engine_args import EngineArgs
+
+        return EngineArgs
+    raise AttributeError(name)

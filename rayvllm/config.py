@@ -1,0 +1,184 @@
+"""Engine configuration: plain dataclasses, checked in `__post_init__`.
+
+`EngineArgs` (the pydantic boundary) builds an `EngineConfig`; nothing inside
+the engine reads user input any other way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rayvllm.errors import InvalidParameterError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> torch.dtype:
+    """vLLM's rule: "auto" takes the checkpoint's dtype, except float32 stays
+    float32 and half types fall back to float32 on CPU where they are slow."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+        resolved = _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+        return torch.float32 if device == "cpu" else resolved
+    if dtype not in _DTYPES:
+        raise InvalidParameterError("dtype", f"unknown dtype {dtype!r}; expected one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    """Invariants: `max_model_len <= max_position_embeddings` unless rope
+    scaling says otherwise; `hf_config` is the parsed config.json."""
+
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+    hf_config: dict = field(repr=False)
+    served_model_name: str = ""
+
+    @classmethod
+    def from_path(
+        cls,
+        model: str,
+        tokenizer: str | None,
+        dtype: str | torch.dtype,
+        max_model_len: int | None,
+        seed: int,
+        device: str,
+        served_model_name: str | None = None,
+    ) -> "ModelConfig":
+        config_path = Path(model) / "config.json"
+        if not config_path.exists():
+            raise InvalidParameterError("model", f"no config.json in {model!r}")
+        hf_config = json.loads(config_path.read_text())
+        derived = int(hf_config.get("max_position_embeddings", 2048))
+        if max_model_len is None:
+            max_model_len = derived
+        return cls(
+            model=model,
+            tokenizer=tokenizer or model,
+            dtype=resolve_dtype(dtype, hf_config, device),
+            max_model_len=max_model_len,
+            seed=seed,
+            hf_config=hf_config,
+            served_model_name=served_model_name or model,
+        )
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise InvalidParameterError("max_model_len", f"must be >= 1, got {self.max_model_len}")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        head_dim = self.hf_config.get("head_dim")
+        return int(head_dim) if head_dim else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    """`num_blocks` is decided at engine start from the memory budget (or the
+    override) and includes the null block 0."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidParameterError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise InvalidParameterError("kv_cache_memory_bytes", "must be positive")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise InvalidParameterError("num_gpu_blocks_override", "must be >= 2 (block 0 is the null block)")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidParameterError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidParameterError(
+                "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise InvalidParameterError(
+                "max_num_batched_tokens",
+                f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off",
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise InvalidParameterError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in (None, "uni", "ray"):
+            raise InvalidParameterError(
+                "distributed_executor_backend",
+                f"must be 'uni' or 'ray', got {self.distributed_executor_backend!r}",
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: str = "cpu"

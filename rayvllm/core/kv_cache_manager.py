@@ -1,0 +1,230 @@
+"""Per-request KV block bookkeeping on top of `BlockPool`, with automatic
+prefix caching (vLLM v1 semantics).
+
+The scheduler speaks only tokens to this class:
+
+1. ``get_computed_blocks(request)`` -> prefix-hit blocks and how many tokens
+   they cover (always a multiple of ``block_size``, never the last token);
+2. ``allocate_slots(request, num_new_tokens, hits, num_hit_tokens)`` -> new
+   blocks, or None when the pool cannot supply them (then nothing changed);
+3. ``free(request)`` when it finishes or is preempted.
+
+The two first calls must be made back to back for one request (no other
+allocation in between), because the hit blocks may be free-but-cached and could
+otherwise be evicted before they are touched.
+
+Blocks are hashed (registered in the prefix cache) as soon as scheduled tokens
+fill them, before their KV is actually written. That is sound because a later
+request can only read them in a later forward pass, or in the same one after
+the model runner has written each layer's KV before attention reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rayvllm.core.block_pool import BlockPool, KVCacheBlock
+from rayvllm.core.kv_cache_utils import (
+    BlockHash,
+    PrefixCacheStats,
+    hash_block_tokens,
+    request_extra_keys,
+)
+from rayvllm.request import Request
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds and the prefix-cache hash chains.
+
+    Per-request invariants (for every ``request_id`` with blocks):
+    ``req_to_blocks[id][i]`` holds tokens ``[i*block_size, (i+1)*block_size)``;
+    ``num_cached_blocks[id] <= len(req_to_blocks[id])`` counts the leading
+    blocks already registered in the pool's hash map;
+    ``req_to_block_hashes[id][i]`` is the chain hash of the request's full
+    block ``i`` and is only ever extended (tokens are append-only).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable KV blocks owned by requests (0.0 .. 1.0)."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, including evictable cached ones."""
+        return self.block_pool.get_num_free_blocks()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (empty if it holds none)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_num_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Counters since the previous call; the internal counters restart at 0."""
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    # --------------------------------------------------------------- prefix hit
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks matching the request's prefix.
+
+        Returns ``(blocks, num_tokens_covered)``. At most
+        ``(num_tokens - 1) // block_size`` blocks match, so the last token is
+        always recomputed (its logits are needed to sample). Does not take
+        references: pass the result straight to `allocate_slots`.
+        Requests with ``prompt_logprobs`` skip the lookup (and the stats),
+        since every prompt position must be computed to produce them.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._update_block_hashes(request)
+        max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size
+        pool = self.block_pool
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = pool.get_cached_block(block_hash)
+            if block is None:
+                # Hashes chain, so no later block can match either.
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    # --------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make the request's blocks cover
+        ``num_computed_tokens + num_new_computed_tokens + num_new_tokens`` tokens.
+
+        `new_computed_blocks` (prefix hits from `get_computed_blocks`, covering
+        exactly `num_new_computed_tokens`) are referenced and appended first;
+        the rest is allocated fresh. Returns only the freshly allocated blocks
+        (possibly empty), or None — with no state changed — when the pool
+        cannot supply them. Then registers in the prefix cache every block
+        that the known tokens fill.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hits: Sequence[KVCacheBlock] = new_computed_blocks or ()
+        if num_new_computed_tokens != len(hits) * self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                f"{len(hits)} hit blocks of size {self.block_size}"
+            )
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id)
+        if hits and (req_blocks or request.num_computed_tokens):
+            # Hits extend a request from token 0; anything else would misplace them.
+            raise ValueError(f"prefix-hit blocks given for request {req_id} that already has KV")
+
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_needed_tokens = num_computed + num_new_tokens
+        num_held = len(req_blocks) if req_blocks else 0
+        num_to_allocate = (
+            -(-num_needed_tokens // self.block_size) - num_held - len(hits)
+        )
+
+        pool = self.block_pool
+        if num_to_allocate > 0 or hits:
+            # Free-but-cached hits sit in the free queue; touching removes them,
+            # so they cannot also count as supply for fresh blocks.
+            num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
+            if num_to_allocate > pool.get_num_free_blocks() - num_evictable_hits:
+                return None
+            if req_blocks is None:
+                req_blocks = self.req_to_blocks[req_id] = []
+            if hits:
+                # Touch before allocating so eviction cannot take the hit blocks.
+                pool.touch(hits)
+                req_blocks.extend(hits)
+                # Hit blocks are already hashed; skip them when caching.
+                self.num_cached_blocks[req_id] = len(hits)
+            new_blocks = pool.get_new_blocks(num_to_allocate) if num_to_allocate > 0 else []
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+
+        if self.enable_caching and req_blocks:
+            # Only tokens whose ids are known can be hashed (lookahead slots are not).
+            num_full = min(num_needed_tokens, request.num_tokens) // self.block_size
+            num_cached = self.num_cached_blocks.get(req_id, 0)
+            if num_full > num_cached:
+                hashes = self._update_block_hashes(request)
+                pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+                self.num_cached_blocks[req_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, and forget the request.
+
+        Reverse order puts the tail of the sequence nearest the front of the
+        free queue, so it is evicted before the shared-prefix head, which is
+        the part other requests are most likely to hit. Safe to call for a
+        request that holds no blocks.
+        """
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_blocks.pop(req_id, None)
+        self.req_to_block_hashes.pop(req_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached hashes; False (and nothing done) while blocks are owned."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        # No request owns blocks, so no per-request cached count can be stale;
+        # clear any left over from requests that never got blocks anyway.
+        self.num_cached_blocks.clear()
+        return True
+
+    # ------------------------------------------------------------------ helpers
+
+    def _update_block_hashes(self, request: Request) -> list[BlockHash]:
+        """Extend the request's hash list to cover all its currently full blocks.
+
+        Incremental: each full block is hashed once over the request's life
+        (until `free`), so decode steps cost nothing until a block fills.
+        """
+        req_id = request.request_id
+        hashes = self.req_to_block_hashes.get(req_id)
+        if hashes is None:
+            hashes = self.req_to_block_hashes[req_id] = []
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        if len(hashes) < num_full:
+            tokens = request.all_token_ids
+            parent: BlockHash | None = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_full):
+                extra = request_extra_keys(request.cache_salt) if i == 0 else None
+                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra)
+                hashes.append(parent)
+        return hashes

@@ -1,0 +1,130 @@
+"""Block hashing for automatic prefix caching, plus prefix-cache counters.
+
+A full KV block is identified by a hash chain: the hash of block *i* covers the
+hash of block *i-1* (its parent), the block's token ids and optional extra keys.
+Two blocks with the same hash therefore hold the same tokens at the same
+positions after the same prefix, so their KV values are interchangeable.
+
+Hashes are SHA-256 digests over a fixed, explicit byte encoding, rooted at a
+constant seed. They are identical across processes and machines (unlike
+Python's salted ``hash()`` of ``str``/``bytes``), which lets a router compare
+prefixes computed in different actors.
+
+Only *full* blocks are ever hashed; a partial tail block has no hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NewType
+
+# A 32-byte SHA-256 digest. `bytes` is hashable and compares by value, so it
+# can key the cached-block map directly.
+BlockHash = NewType("BlockHash", bytes)
+
+# Extra keys mixed into a block's hash (e.g. the request's cache salt). They
+# must be picklable values with a deterministic pickle encoding (str, int,
+# bytes, tuples of those).
+ExtraKeys = tuple[Any, ...]
+
+# The parent of a request's first block. A fixed constant (not a random seed)
+# so that the whole chain is reproducible across processes and restarts.
+ROOT_BLOCK_HASH: BlockHash = BlockHash(hashlib.sha256(b"rayvllm/prefix-cache/root/v1").digest())
+
+# Pinned so a Python upgrade that changes the default protocol cannot change
+# hashes of the extra keys.
+_PICKLE_PROTOCOL = 4
+
+# One compiled struct per block length: struct.pack with a cached Struct is the
+# cheapest way to get a canonical little-endian int64 encoding of the tokens.
+_TOKEN_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _token_struct(n: int) -> struct.Struct:
+    s = _TOKEN_STRUCTS.get(n)
+    if s is None:
+        s = struct.Struct(f"<{n}q")
+        _TOKEN_STRUCTS[n] = s
+    return s
+
+
+def hash_block_tokens(
+    parent_block_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys | None = None,
+) -> BlockHash:
+    """Hash one block given its parent's hash, its tokens and extra keys.
+
+    `parent_block_hash=None` means "first block of a sequence" and uses
+    `ROOT_BLOCK_HASH`. The encoding is unambiguous: a fixed-width parent, a
+    length-prefixed token array, then a presence tag before the extra keys, so
+    no two distinct inputs share a byte string.
+    """
+    parent = ROOT_BLOCK_HASH if parent_block_hash is None else parent_block_hash
+    n = len(token_ids)
+    h = hashlib.sha256(parent)
+    h.update(n.to_bytes(8, "little"))
+    h.update(_token_struct(n).pack(*token_ids))
+    if extra_keys is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01")
+        h.update(pickle.dumps(tuple(extra_keys), protocol=_PICKLE_PROTOCOL))
+    return BlockHash(h.digest())
+
+
+def request_extra_keys(cache_salt: str | None) -> ExtraKeys | None:
+    """Extra keys for a request's *first* block.
+
+    Only the first block needs them: every later block chains from it, so a
+    different salt changes every hash of the request.
+    """
+    return None if cache_salt is None else ("cache_salt", cache_salt)
+
+
+def hash_request_tokens(
+    block_size: int,
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys | None = None,
+) -> list[BlockHash]:
+    """Hashes of every *full* block of `token_ids` (a trailing partial block is skipped).
+
+    `extra_keys` is mixed into the first block only (see `request_extra_keys`).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(
+            parent, token_ids[start : start + block_size], extra_keys if start == 0 else None
+        )
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters since the last `reset()`.
+
+    `requests`: lookups performed; `queries`: prompt tokens looked up;
+    `hits`: tokens served from the cache. Invariant: `0 <= hits <= queries`.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    def reset(self) -> None:
+        self.requests = 0
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of queried tokens that hit; 0.0 when nothing was queried."""
+        return self.hits / self.queries if self.queries else 0.0

@@ -1,0 +1,255 @@
+"""The token-budget scheduler (vLLM v1's unified design).
+
+There are no prefill and decode phases: each request has `num_computed_tokens`
+chasing `num_tokens`, and each step hands out one budget of
+`max_num_batched_tokens` tokens, first to running requests (decode or the next
+chunk of a prefill), then to waiting ones (new, or resumed after preemption by
+recompute). Prefix-cache hits simply start a request with computed tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rayvllm.config import CacheConfig, SchedulerConfig
+from rayvllm.core.kv_cache_manager import KVCacheManager
+from rayvllm.core.kv_cache_utils import PrefixCacheStats
+from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from rayvllm.core.sched.request_queue import create_request_queue
+from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.request import Request, RequestStatus
+from rayvllm.worker.outputs import ModelRunnerOutput
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_stats: PrefixCacheStats
+    num_preemptions: int
+
+
+class Scheduler:
+    """Owns the request queues and, through `KVCacheManager`, the KV blocks.
+
+    Invariants: a request is in exactly one of `waiting` / `running` until it
+    finishes; every running request holds blocks for all its computed tokens;
+    `len(running) <= max_num_seqs`.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = scheduler_config.policy
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Requests finished since the last step; the workers drop their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Finish the named requests as aborted; returns the ids that were live."""
+        aborted = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req_id)
+        return aborted
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted_ids: set[str] = set()
+        kv = self.kv_cache_manager
+
+        # Running requests first, in order: decodes and continuing chunks.
+        scheduled_running: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                blocks = kv.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim in scheduled_running:
+                    scheduled_running.remove(victim)
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if blocks is None:
+                # `request` itself was preempted and removed from running.
+                continue
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            idx += 1
+
+        for request in scheduled_running:
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids[request.request_id])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+
+        # Then waiting requests, unless this step had to preempt (no room).
+        if not preempted_ids:
+            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting.peek()
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if num_new > budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                blocks = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+                if blocks is None:
+                    break
+                self.waiting.pop()
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                request.num_computed_tokens = num_hit
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=kv.get_block_ids(request.request_id),
+                        num_computed_tokens=num_hit,
+                    )
+                )
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+
+        total = self.max_num_batched_tokens - budget
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted_ids,
+        )
+        self.finished_req_ids = set()
+        # Advance now so the next schedule() sees these tokens as in flight.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # ---- results back ----------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
+        emitted: set[str] = set()
+        for i, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            token = runner_output.sampled_token_ids[i]
+            request.append_output_token_ids([token])
+            status, stop_reason = self._check_stop(request, token)
+            out = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=[token],
+                new_logprobs=logprobs.slice(i, i + 1) if logprobs is not None else None,
+                new_prompt_logprobs=prompt_logprobs.get(req_id),
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            if status is not None:
+                request.stop_reason = stop_reason
+                out.finish_reason = status.finish_reason
+                out.stop_reason = stop_reason
+                self.running.remove(request)
+                self._free_request(request, status)
+            outputs.append(out)
+            emitted.add(req_id)
+        # Prompt logprobs of chunks that sampled nothing still stream out.
+        for req_id, lp in prompt_logprobs.items():
+            if req_id not in emitted and req_id in self.requests:
+                outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], new_prompt_logprobs=lp))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+            # vLLM reports the EOS token as stop_reason None, other stop ids by value.
+            return RequestStatus.FINISHED_STOPPED, (None if token == request.eos_token_id else token)
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None, None
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,53 @@
+"""Exception hierarchy shared by the engine and its entrypoints.
+
+Every error a client can cause derives from `RayvllmError` and carries the
+HTTP status the OpenAI-compatible server answers with, so one mapping serves
+the offline API, the Python handle and the HTTP app.
+"""
+
+from __future__ import annotations
+
+
+class RayvllmError(Exception):
+    """Base class; `status_code` is the HTTP status an API server returns."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+
+class InvalidParameterError(RayvllmError, ValueError):
+    """A request field holds a value outside its domain; `param` names it."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class PromptTooLongError(InvalidParameterError):
+    """The prompt (plus what must be generated) does not fit `max_model_len`."""
+
+    def __init__(self, num_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            "prompt",
+            f"the prompt has {num_tokens} tokens, more than max_model_len={max_model_len}",
+        )
+        self.num_tokens = num_tokens
+        self.max_model_len = max_model_len
+
+
+class ModelNotFoundError(RayvllmError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class EngineOverloadedError(RayvllmError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class EngineDeadError(RayvllmError):
+    status_code = 503
+    error_type = "service_unavailable"

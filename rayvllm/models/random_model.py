@@ -1,0 +1,165 @@
+"""Seeded random-initialised models with a locally built tokenizer.
+
+No machine here reaches a model hub, so tests, benchmarks and the demo build
+their models: a byte-level BPE tokenizer trained on generated text, padded with
+filler tokens up to the model's vocabulary (so every id decodes), and a
+transformers model initialised from a fixed seed and saved as safetensors.
+The result is an ordinary HF model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her they this "
+    "which be are or an had not but were all have one their has more also who "
+    "new after first two time can its been would into only other over when some "
+    "world people year city state music river model engine token cache block "
+    "water light small large early north south house game team school story "
+    "hello ray serve fast paged attention batch queue prefix sample night day"
+).split()
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def _corpus(seed: int, num_sentences: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        words[0] = words[0].capitalize()
+        lines.append(" ".join(words) + rng.choice([".", "!", "?", ","]))
+    return lines
+
+
+def build_tokenizer(path: str | Path, vocab_size: int, seed: int = 0) -> None:
+    """Write a fast tokenizer to `path` with exactly `vocab_size` ids.
+
+    Ids 0..4 are <unk>, <s>, </s>, <|im_start|>, <|im_end|>; then byte-level
+    BPE tokens; the rest are filler entries "<xN>" in the BPE vocabulary (not
+    added tokens, which would slow encoding) that merges never produce.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe_size = min(vocab_size, 1024)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    spec = json.loads(tok.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    next_id = max(vocab.values()) + 1
+    filler = 0
+    while next_id < vocab_size:
+        name = f"<x{filler}>"
+        filler += 1
+        if name not in vocab:
+            vocab[name] = next_id
+            next_id += 1
+    if next_id > vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the base tokenizer ({next_id})")
+    tok = Tokenizer.from_str(json.dumps(spec))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+@dataclass
+class RandomModelSpec:
+    """Shape of a random model; `arch` is one of llama, qwen2, qwen3."""
+
+    arch: str = "llama"
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    initializer_range: float = 0.05
+    seed: int = 0
+    dtype: str = "float32"
+    max_shard_size: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
+    import transformers
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_theta=spec.rope_theta,
+        initializer_range=spec.initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        **spec.extra,
+    )
+    if spec.head_dim is not None:
+        common["head_dim"] = spec.head_dim
+    if spec.rope_scaling is not None:
+        common["rope_scaling"] = spec.rope_scaling
+    if spec.arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if spec.arch == "qwen2":
+        return transformers.Qwen2Config(use_sliding_window=False, **common)
+    if spec.arch == "qwen3":
+        return transformers.Qwen3Config(use_sliding_window=False, **common)
+    raise ValueError(f"unknown arch {spec.arch!r}; expected llama, qwen2 or qwen3")
+
+
+def build_random_model(path: str | Path, spec: RandomModelSpec) -> Path:
+    """Create (or reuse, if complete) a model directory for `spec` at `path`."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    marker = path / ".rayvllm-complete"
+    if marker.exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path, spec.vocab_size, seed=spec.seed)
+    config = _hf_config(spec)
+    torch.manual_seed(spec.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+    kwargs = {"safe_serialization": True}
+    if spec.max_shard_size is not None:
+        kwargs["max_shard_size"] = spec.max_shard_size
+    model.save_pretrained(str(path), **kwargs)
+    marker.write_text(json.dumps(spec.__dict__, default=str))
+    return path

@@ -1,0 +1,112 @@
+"""Requests as the engine core sees them: token ids in, token ids out."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from rayvllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the Processor hands the engine core: fully tokenized and validated.
+
+    `max_tokens` here is always concrete (the Processor resolves None against
+    max_model_len). `eos_token_id` is None when the tokenizer has none.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Request:
+    """Scheduler-side state of one request.
+
+    Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
+    `0 <= num_computed_tokens <= num_tokens`; a request is runnable while
+    `num_computed_tokens < num_tokens` (prefill or recompute) or it is decoding
+    (then `num_tokens - num_computed_tokens == 1`).
+    """
+
+    def __init__(self, core_req: EngineCoreRequest) -> None:
+        self.request_id = core_req.request_id
+        self.sampling_params = core_req.sampling_params
+        self.eos_token_id = core_req.eos_token_id
+        self.arrival_time = core_req.arrival_time
+        self.priority = core_req.priority
+        self.cache_salt = core_req.cache_salt
+        self.prompt_token_ids = list(core_req.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        assert core_req.sampling_params.max_tokens is not None
+        self.max_tokens: int = core_req.sampling_params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
