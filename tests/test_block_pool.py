@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import rayvllm
 from rayvllm.core.block_pool import (
     BlockPool,
     FreeKVCacheBlockQueue,
@@ -240,13 +243,15 @@ def test_hash_reproducible_across_processes() -> None:
         "from rayvllm.core.kv_cache_utils import hash_request_tokens, request_extra_keys;"
         "print(hash_request_tokens(2, [5, 6, 7, 8], request_extra_keys('x'))[-1].hex())"
     )
+    # Different PYTHONHASHSEEDs would change any hash built on Python's hash().
+    repo_root = str(Path(rayvllm.__file__).resolve().parent.parent)
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],
             capture_output=True,
             text=True,
             check=True,
-            env={"PYTHONHASHSEED": seed, "PYTHONPATH": "."},
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": repo_root},
         ).stdout.strip()
         for seed in ("1", "2")
     }
