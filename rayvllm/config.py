@@ -182,3 +182,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device: str = "cpu"
+    max_logprobs: int = 20

@@ -1,0 +1,40 @@
+"""Attention metadata for one step, built once by the model runner and shared
+by every layer (so per-layer work is only the math)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with more than one query token this step.
+
+    Its queries are tokens `[q_start, q_end)` of the flat batch, at positions
+    `[context_len - (q_end - q_start), context_len)`. `kv_index` holds the flat
+    cache slots of all `context_len` keys; `mask` is None when there is no
+    cached prefix (plain causal attention over the new tokens).
+    """
+
+    q_start: int
+    q_end: int
+    context_len: int
+    kv_index: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Invariants: the first `num_decode_tokens` tokens of the flat batch are
+    decodes, one query per sequence, in the order of `decode_kv_index` rows;
+    prefills follow. `slot_mapping[t]` is the flat cache slot token t is
+    written to (-1: do not write)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int
+    decode_kv_index: torch.Tensor | None  # [D, L] int64 flat slots, padded
+    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool, True = attend
+    prefills: list[PrefillSeq]
+    has_negative_slots: bool = False

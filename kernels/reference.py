@@ -1,0 +1,90 @@
+"""Torch reference paged attention: the CPU path and the oracle for faster kernels.
+
+The KV cache of one layer is a pair of tensors shaped
+`[num_blocks, block_size, num_kv_heads, head_size]`; slot `s` is token
+`s % block_size` of block `s // block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rayvllm.kernels.metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    has_negative_slots: bool = False,
+) -> None:
+    """Write `key`/`value` `[T, kv_heads, head_size]` to their slots; slots of -1 are skipped."""
+    if has_negative_slots:
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    kv_heads, head_size = key.shape[1], key.shape[2]
+    key_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a mixed batch; `query` is `[T, heads, head_size]`,
+    `key`/`value` the step's new `[T, kv_heads, head_size]` (already written
+    to the cache). Returns `[T, heads, head_size]`."""
+    num_tokens, num_heads, head_size = query.shape
+    kv_heads = key_cache.shape[2]
+    out = torch.empty_like(query)
+    flat_k = key_cache.view(-1, kv_heads, head_size)
+    flat_v = value_cache.view(-1, kv_heads, head_size)
+
+    num_decodes = metadata.num_decode_tokens
+    if num_decodes:
+        out[:num_decodes] = _decode(
+            query[:num_decodes], flat_k, flat_v, metadata.decode_kv_index, metadata.decode_mask, scale
+        )
+    for seq in metadata.prefills:
+        q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if seq.kv_index is None:
+            k = key[seq.q_start : seq.q_end]
+            v = value[seq.q_start : seq.q_end]
+        else:
+            k = flat_k.index_select(0, seq.kv_index)
+            v = flat_v.index_select(0, seq.kv_index)
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True
+        )
+        out[seq.q_start : seq.q_end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _decode(
+    query: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    kv_index: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_size = query.shape
+    kv_heads = flat_k.shape[1]
+    group = num_heads // kv_heads
+    # Fold the query heads of one KV head into the query-length axis, so GQA
+    # needs no repeated keys: q [B, kvh, group, D] against k [B, kvh, L, D].
+    q = query.view(num_seqs, kv_heads, group, head_size)
+    k = flat_k[kv_index].transpose(1, 2)  # [B, kvh, L, D]
+    v = flat_v[kv_index].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(num_seqs, num_heads, head_size)

@@ -1,0 +1,78 @@
+"""The synchronous engine: Processor -> EngineCore -> OutputProcessor.
+
+Used by the offline `LLM`; the async loop of the server wraps the same pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from rayvllm.config import EngineConfig
+from rayvllm.engine.engine_core import EngineCore
+from rayvllm.engine_args import EngineArgs
+from rayvllm.output_processor import OutputProcessor
+from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.processor import Processor
+from rayvllm.sampling_params import SamplingParams
+from rayvllm.tokenizer import get_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
+        self.processor = Processor(config.model_config, self.tokenizer, max_logprobs=config.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> None:
+        """Validate, tokenize and enqueue; `n > 1` fans out into child requests
+        that the OutputProcessor gathers back into one RequestOutput."""
+        core_reqs, prompt_text = self.processor.process_with_fanout(
+            request_id, prompt, params, arrival_time=arrival_time, priority=priority
+        )
+        n = len(core_reqs)
+        for index, core_req in enumerate(core_reqs):
+            self.output_processor.add_request(
+                core_req,
+                prompt_text,
+                parent_id=request_id if n > 1 else None,
+                index=index,
+                n=n,
+                output_kind=output_kind,
+            )
+            self.engine_core.add_request(core_req)
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        ids = self.output_processor.child_request_ids(request_ids)
+        self.engine_core.abort_requests(ids)
+        return self.output_processor.abort_requests(ids)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        result = self.output_processor.process_outputs(core_outputs)
+        if result.reqs_to_abort:
+            self.engine_core.abort_requests(result.reqs_to_abort)
+        return result.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

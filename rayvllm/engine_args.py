@@ -1,0 +1,102 @@
+"""`EngineArgs`: the user-facing engine knobs (pydantic, unknown keys rejected).
+
+Names and meanings follow vLLM's so that a vLLM user finds the same knobs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayvllm.errors import InvalidParameterError
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    # CPU KV cache budget; vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE (GiB) for this.
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    device: str = "auto"
+    max_logprobs: int = 20
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
+        """Build from a plain dict, turning pydantic errors into one
+        `InvalidParameterError` that names every offending key."""
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            names = ", ".join(".".join(str(p) for p in err["loc"]) for err in e.errors())
+            details = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise InvalidParameterError(names, details) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "EngineArgs":
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def create_engine_config(self) -> EngineConfig:
+        device = self.resolve_device()
+        model = self.model
+        if model is None:
+            from rayvllm.demo import demo_model_path
+
+            model = str(demo_model_path())
+        model_config = ModelConfig.from_path(
+            model, self.tokenizer, self.dtype, self.max_model_len, self.seed, device, self.served_model_name
+        )
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=model_config.max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device=device,
+            max_logprobs=self.max_logprobs,
+        )

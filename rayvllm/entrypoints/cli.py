@@ -1,0 +1,78 @@
+"""`rayvllm` command line: `rayvllm generate "Hello"` runs the offline engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+from collections.abc import Sequence
+
+from rayvllm.engine_args import EngineArgs
+from rayvllm.errors import RayvllmError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per EngineArgs field (vLLM's dashes), typed from the model."""
+    for name, field in EngineArgs.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        args = typing.get_args(annotation)
+        base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+        if base is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(flag, dest=name, type=base, default=None)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    given = {k: v for k, v in vars(ns).items() if k in EngineArgs.model_fields and v is not None}
+    return EngineArgs.from_dict(given)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from rayvllm.entrypoints.llm import LLM
+    from rayvllm.sampling_params import SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**args.model_dump(exclude_unset=True))
+    params = SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.sampling_seed
+    )
+    outputs = llm.generate(ns.prompts, params, use_tqdm=False)
+    for out in outputs:
+        if ns.json:
+            print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
+                              "token_ids": out.outputs[0].token_ids,
+                              "finish_reason": out.outputs[0].finish_reason}))
+        else:
+            print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayvllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts offline")
+    gen.add_argument("prompts", nargs="+", help="prompt strings")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except RayvllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Offline batch inference: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from rayvllm.engine.llm_engine import LLMEngine
+from rayvllm.engine_args import EngineArgs
+from rayvllm.errors import InvalidParameterError
+from rayvllm.outputs import RequestOutput
+from rayvllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """vLLM's offline API. With no `model`, the embedded demo model is used.
+
+    Any `EngineArgs` field is accepted as a keyword (e.g. `kv_cache_memory_bytes`
+    for the CPU KV cache budget, default 2 GiB).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        args = EngineArgs.from_dict(
+            dict(
+                model=model,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                **kwargs,
+            )
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params_list = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidParameterError("priority", "must have one entry per prompt")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                if isinstance(prompt, list):
+                    prompt = {"prompt_token_ids": prompt}
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority else 0
+                )
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.llm_engine.processor.render_chat(
+                conv,  # type: ignore[arg-type]
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise InvalidParameterError(
+                "sampling_params", f"got {len(params)} SamplingParams for {n} prompts"
+            )
+        return params
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        engine = self.llm_engine
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]

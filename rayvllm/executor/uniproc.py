@@ -1,0 +1,22 @@
+"""In-process executor: one ModelRunner in the engine's own process."""
+
+from __future__ import annotations
+
+from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.executor.base import Executor
+from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.worker.outputs import ModelRunnerOutput
+
+
+class UniProcExecutor(Executor):
+    runner: ModelRunner
+
+    def initialize(self) -> int:
+        self.runner = ModelRunner(self.config)
+        self.runner.load_model()
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

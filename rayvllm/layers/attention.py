@@ -1,0 +1,36 @@
+"""Paged attention layer: writes the step's K/V to the cache, then attends."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rayvllm.kernels.metadata import AttentionMetadata
+from rayvllm.kernels.reference import paged_attention, reshape_and_cache
+
+
+class Attention(nn.Module):
+    """The KV cache tensors are bound by the model runner (`bind_kv_cache`)
+    after it sizes the pool; before that the layer cannot run."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        self.key_cache = key_cache
+        self.value_cache = value_cache
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        assert self.key_cache is not None, "KV cache not bound"
+        reshape_and_cache(
+            k, v, self.key_cache, self.value_cache, metadata.slot_mapping, metadata.has_negative_slots
+        )
+        return paged_attention(q, k, v, self.key_cache, self.value_cache, metadata, self.scale)

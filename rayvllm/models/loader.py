@@ -1,0 +1,51 @@
+"""Build a model from an HF directory: architecture lookup, then safetensors weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from rayvllm.errors import InvalidParameterError
+from rayvllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise InvalidParameterError("model", f"no safetensors weights in {str(model_dir)!r}")
+    return files
+
+
+def iterate_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
+    archs = hf_config.get("architectures") or []
+    cls = next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
+    if cls is None:
+        raise InvalidParameterError(
+            "model", f"architectures {archs} not supported; supported: {', '.join(MODEL_REGISTRY)}"
+        )
+    with torch.device(device):
+        model = cls(hf_config, dtype).to(dtype)
+    model.load_weights(iterate_weights(Path(model_dir), dtype))
+    return model.eval()
