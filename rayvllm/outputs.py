@@ -1,0 +1,129 @@
+"""Public output types, with vLLM's names and meanings.
+
+These are what `LLM.generate`, the async engine's streams and the OpenAI
+server consume. They carry text and token ids already detokenized by the
+`OutputProcessor`; nothing here touches the tokenizer or the engine core.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "CompletionOutput",
+    "Logprob",
+    "PromptLogprobs",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SampleLogprobs",
+]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request carries (vLLM's values).
+
+    CUMULATIVE: everything generated so far, every step.
+    DELTA: only what is new since the previous output of the request.
+    FINAL_ONLY: one output, when the request finishes (offline `LLM.generate`).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass
+class Logprob:
+    """Log probability of one token at one position.
+
+    `rank` is the token's 1-based rank in the distribution it was drawn from
+    (1 = most likely); `decoded_token` is the token decoded on its own, which
+    for a byte token of a multi-byte character is U+FFFD, as in vLLM.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated position: token id -> Logprob. The chosen token is
+# always a key; the others are the top-k the request asked for.
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt position; the first is None (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One sequence generated for a request (one of its `n`).
+
+    Invariants: `finish_reason` is None while the sequence is running and one
+    of "stop", "length", "abort" once it is done; `stop_reason` is the stop
+    string or stop token id that ended it, None for EOS, length or abort.
+    `cumulative_logprob` is None unless the request asked for logprobs. In a
+    DELTA stream `text`, `token_ids` and `logprobs` hold only what is new,
+    while `cumulative_logprob` is still the running total.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (`time.time()` seconds) of one request.
+
+    Invariant: arrival_time <= first_token_time <= last_token_time <=
+    finished_time whenever they are set. `first_scheduled_time` is filled by
+    an engine that knows it; the output processor alone never sees scheduling.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """One update for one user request (all its `n` sequences).
+
+    Invariants: `outputs` is sorted by `CompletionOutput.index`; `finished` is
+    True exactly once per request, on its last output, and then every
+    sequence of the request is finished. `prompt` is None when the request
+    came as token ids. `num_cached_tokens` counts prompt tokens served from
+    the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None

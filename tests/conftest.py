@@ -1,0 +1,35 @@
+"""Shared pytest fixtures.
+
+Keep this file to fixtures that several test modules need; a fixture used by
+one module belongs in that module. Expensive fixtures are session-scoped and
+build into pytest's tmp dirs, never into the repository.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama with the default `RandomModelSpec` (vocab 4096, ids 0..4
+    are <unk>, <s>, </s>, <|im_start|>, <|im_end|>; chat template included),
+    built once per test session. Treat it as read-only."""
+    from rayvllm.models.random_model import RandomModelSpec, build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("tiny_model"), RandomModelSpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path) -> "PreTrainedTokenizerBase":
+    """The fast tokenizer of `tiny_model_dir`, loaded once. Do not mutate it
+    (use monkeypatch for temporary attribute changes)."""
+    from rayvllm.tokenizer import get_tokenizer
+
+    return get_tokenizer(tiny_model_dir)
