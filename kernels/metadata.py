@@ -34,7 +34,16 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64
     num_decode_tokens: int
-    decode_kv_index: torch.Tensor | None  # [D, L] int64 flat slots, padded
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool, True = attend
     prefills: list[PrefillSeq]
+    # Decode inputs of the torch reference: gathered flat slots and the mask.
+    decode_kv_index: torch.Tensor | None = None  # [D, L] int64 flat slots, padded
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, L] bool, True = attend
+    # Decode inputs of the in-place kernels: block-table rows and context lengths.
+    block_tables: torch.Tensor | None = None  # [rows, max_blocks] int64
+    decode_seq_rows: torch.Tensor | None = None  # [D] int64 rows of block_tables
+    decode_ctx_lens: torch.Tensor | None = None  # [D] int64
     has_negative_slots: bool = False
+
+    @property
+    def uses_block_tables(self) -> bool:
+        return self.decode_seq_rows is not None

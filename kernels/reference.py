@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.metadata import AttentionMetadata
 
 
@@ -41,7 +42,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for a mixed batch; `query` is `[T, heads, head_size]`,
     `key`/`value` the step's new `[T, kv_heads, head_size]` (already written
-    to the cache). Returns `[T, heads, head_size]`."""
+    to the cache). Returns `[T, heads, head_size]`. Decodes go to the C
+    kernel when the metadata carries block tables (float32 CPU), else to a
+    gather + SDPA in torch, which is the oracle."""
     num_tokens, num_heads, head_size = query.shape
     kv_heads = key_cache.shape[2]
     out = torch.empty_like(query)
@@ -50,9 +53,15 @@ def paged_attention(
 
     num_decodes = metadata.num_decode_tokens
     if num_decodes:
-        out[:num_decodes] = _decode(
-            query[:num_decodes], flat_k, flat_v, metadata.decode_kv_index, metadata.decode_mask, scale
-        )
+        if metadata.uses_block_tables:
+            out[:num_decodes] = cpu_attention.paged_attention_decode(
+                query[:num_decodes], key_cache, value_cache, metadata.block_tables,
+                metadata.decode_seq_rows, metadata.decode_ctx_lens, scale,
+            )
+        else:
+            out[:num_decodes] = _decode(
+                query[:num_decodes], flat_k, flat_v, metadata.decode_kv_index, metadata.decode_mask, scale
+            )
     for seq in metadata.prefills:
         q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if seq.kv_index is None:
@@ -84,7 +93,10 @@ def _decode(
     # Fold the query heads of one KV head into the query-length axis, so GQA
     # needs no repeated keys: q [B, kvh, group, D] against k [B, kvh, L, D].
     q = query.view(num_seqs, kv_heads, group, head_size)
-    k = flat_k[kv_index].transpose(1, 2)  # [B, kvh, L, D]
-    v = flat_v[kv_index].transpose(1, 2)
+    # Padded positions may hold anything, NaN included, and neither an additive
+    # -inf mask nor a zero weight cancels NaN: zero them first.
+    pad = ~mask.view(num_seqs, -1, 1, 1)
+    k = flat_k[kv_index].masked_fill_(pad, 0.0).transpose(1, 2)  # [B, kvh, L, D]
+    v = flat_v[kv_index].masked_fill_(pad, 0.0).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_size)

@@ -32,7 +32,8 @@ class PromptTooLongError(InvalidParameterError):
     def __init__(self, num_tokens: int, max_model_len: int) -> None:
         super().__init__(
             "prompt",
-            f"the prompt has {num_tokens} tokens, more than max_model_len={max_model_len}",
+            f"the prompt has {num_tokens} tokens; it must be shorter than max_model_len={max_model_len} "
+            "to leave room for output",
         )
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len

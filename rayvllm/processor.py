@@ -94,22 +94,14 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     for index in range(params.n):
         if params.seed is None:
             if shared is None:
-                shared = _clone_params(params, n=1)
+                shared = params.clone(n=1)
             child_params = shared
         else:
-            child_params = _clone_params(params, n=1, seed=params.seed + index)
+            child_params = params.clone(n=1, seed=params.seed + index)
         children.append(
             replace(request, request_id=child_request_id(index, request.request_id), sampling_params=child_params)
         )
     return children
-
-
-def _clone_params(params: SamplingParams, **changes: Any) -> SamplingParams:
-    # SamplingParams.clone re-runs __post_init__, which rebuilds
-    # all_stop_token_ids from stop_token_ids alone; carry the resolved set over.
-    clone = params.clone(**changes)
-    clone.all_stop_token_ids = set(params.all_stop_token_ids)
-    return clone
 
 
 class Processor:

@@ -60,7 +60,9 @@ class SamplingParams:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # Union, not assignment: `clone()` re-runs this and must keep the EOS
+        # ids the Processor added.
+        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, msg: str) -> InvalidParameterError:

@@ -100,15 +100,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            self.llm_engine.processor.render_chat(
+        processor = self.llm_engine.processor
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = processor.render_chat(
                 conv,  # type: ignore[arg-type]
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
             )
-            for conv in conversations
-        ]
+            # The rendered text already holds the template's special tokens.
+            ids = processor.tokenize(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod

@@ -14,6 +14,7 @@ import torch
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq
 from rayvllm.models.loader import load_model
 from rayvllm.worker.input_batch import CachedRequestState, InputBatch
@@ -49,6 +50,11 @@ class ModelRunner:
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
         )
         self.sampler = Sampler()
+        # The persistent block table, shared (not copied) with the decode kernel.
+        self.block_table_tensor = torch.from_numpy(self.input_batch.block_table)
+        self.use_c_decode = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and cpu_attention.available()
+        )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -160,15 +166,19 @@ class ModelRunner:
         slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
 
         nd = plan.num_decodes
-        decode_kv_index = decode_mask = None
-        if nd:
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots), num_decode_tokens=nd, prefills=[]
+        )
+        if nd and self.use_c_decode:
+            metadata.block_tables = self.block_table_tensor
+            metadata.decode_seq_rows = torch.from_numpy(rows[:nd])
+            metadata.decode_ctx_lens = torch.from_numpy(plan.starts[:nd] + 1)
+        elif nd:
             seq_lens = plan.starts[:nd] + 1
-            max_len = int(seq_lens.max())
-            pos = np.arange(max_len)
+            pos = np.arange(int(seq_lens.max()))
             kv_index = batch.block_table[rows[:nd, None], pos[None, :] // bs] * bs + pos % bs
-            decode_kv_index = torch.from_numpy(kv_index)
-            decode_mask = torch.from_numpy(pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        prefills = []
+            metadata.decode_kv_index = torch.from_numpy(kv_index)
+            metadata.decode_mask = torch.from_numpy(pos[None, :] < seq_lens[:, None])[:, None, None, :]
         for i in range(nd, len(plan.states)):
             start, q_len = int(plan.starts[i]), int(plan.q_lens[i])
             ctx = start + q_len
@@ -177,14 +187,9 @@ class ModelRunner:
                 pos = np.arange(ctx)
                 kv_index = torch.from_numpy(batch.block_table[rows[i], pos // bs] * bs + pos % bs)
                 mask = torch.from_numpy(pos[None, :] <= (start + np.arange(q_len))[:, None])
-            prefills.append(PrefillSeq(int(plan.cu_q[i]), int(plan.cu_q[i + 1]), ctx, kv_index, mask))
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots),
-            num_decode_tokens=nd,
-            decode_kv_index=decode_kv_index,
-            decode_mask=decode_mask,
-            prefills=prefills,
-        )
+            metadata.prefills.append(
+                PrefillSeq(int(plan.cu_q[i]), int(plan.cu_q[i + 1]), ctx, kv_index, mask)
+            )
         return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
 
     @torch.inference_mode()

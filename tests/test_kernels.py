@@ -1,0 +1,128 @@
+"""Attention kernels against the torch reference (and the reference against
+plain dense attention), on random inputs with ragged lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayvllm.kernels import cpu_attention
+from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq
+from rayvllm.kernels.reference import paged_attention, reshape_and_cache
+
+
+def _random_cache(num_blocks: int, block_size: int, kv_heads: int, head_size: int, gen: torch.Generator):
+    shape = (num_blocks, block_size, kv_heads, head_size)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int):
+    """q [q, H, D], k/v [L, KVH, D]; query j sees keys <= causal_offset + j."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    allowed = torch.arange(k.shape[0])[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("block_size,head_size", [(16, 32), (8, 48), (4, 64)])
+def test_c_decode_kernel_matches_reference(heads: int, kv_heads: int, block_size: int, head_size: int) -> None:
+    if not cpu_attention.available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(heads * 1000 + block_size * 10 + head_size)
+    num_blocks, max_blocks, num_seqs = 64, 12, 7
+    k_cache, v_cache = _random_cache(num_blocks, block_size, kv_heads, head_size, gen)
+    block_tables = torch.stack([torch.randperm(num_blocks - 1, generator=gen)[:max_blocks] + 1 for _ in range(num_seqs)])
+    ctx_lens = torch.randint(1, max_blocks * block_size + 1, (num_seqs,), generator=gen)
+    rows = torch.randperm(num_seqs, generator=gen)  # tokens use rows out of order
+    lens_by_token = ctx_lens[rows].contiguous()
+    q = torch.randn(num_seqs, heads, head_size, generator=gen)
+    scale = head_size**-0.5
+    out = cpu_attention.paged_attention_decode(q, k_cache, v_cache, block_tables, rows.contiguous(), lens_by_token, scale)
+    flat_k = k_cache.view(-1, kv_heads, head_size)
+    flat_v = v_cache.view(-1, kv_heads, head_size)
+    for t in range(num_seqs):
+        n = int(lens_by_token[t])
+        pos = torch.arange(n)
+        slots = block_tables[rows[t], pos // block_size] * block_size + pos % block_size
+        expected = _dense_attention(q[t : t + 1], flat_k[slots], flat_v[slots], scale, n - 1)
+        torch.testing.assert_close(out[t : t + 1], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("use_c", [False, True])
+def test_reference_mixed_batch_matches_dense(use_c: bool) -> None:
+    """Decodes plus a fresh prefill plus a prefill over a cached prefix, through
+    reshape_and_cache and paged_attention, against dense attention."""
+    if use_c and not cpu_attention.available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_size, block_size, num_blocks = 8, 2, 32, 4, 40
+    k_cache, v_cache = _random_cache(num_blocks, block_size, kv_heads, head_size, gen)
+    k_cache.fill_(float("nan"))  # poisoned: only written slots may be read
+    v_cache.fill_(float("nan"))
+    # Sequence contents: (cached tokens already in the cache, new tokens this step).
+    seqs = [(5, 1), (9, 1), (0, 6), (7, 5)]
+    block_tables = torch.zeros(len(seqs), 8, dtype=torch.int64)
+    free = iter(torch.randperm(num_blocks - 1, generator=gen).tolist())
+    full_k, full_v, slots_all = [], [], []
+    for i, (cached, new) in enumerate(seqs):
+        total = cached + new
+        for b in range(-(-total // block_size)):
+            block_tables[i, b] = next(free) + 1
+        pos = torch.arange(total)
+        slots = block_tables[i, pos // block_size] * block_size + pos % block_size
+        k = torch.randn(total, kv_heads, head_size, generator=gen)
+        v = torch.randn(total, kv_heads, head_size, generator=gen)
+        reshape_and_cache(k[:cached], v[:cached], k_cache, v_cache, slots[:cached])
+        full_k.append(k)
+        full_v.append(v)
+        slots_all.append(slots)
+    q_lens = [new for _, new in seqs]
+    q = torch.randn(sum(q_lens), heads, head_size, generator=gen)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)])
+    slot_mapping = torch.cat([s[c:] for s, (c, _) in zip(slots_all, seqs)])
+    md = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=2, prefills=[])
+    if use_c:
+        md.block_tables = block_tables
+        md.decode_seq_rows = torch.tensor([0, 1])
+        md.decode_ctx_lens = torch.tensor([6, 10])
+    else:
+        L = 10
+        pos = torch.arange(L)
+        md.decode_kv_index = block_tables[:2, pos // block_size] * block_size + pos % block_size
+        md.decode_mask = (pos[None, :] < torch.tensor([6, 10])[:, None])[:, None, None, :]
+    start = 2
+    for i in (2, 3):
+        cached, new = seqs[i]
+        total = cached + new
+        kv_index = mask = None
+        if cached:
+            kv_index = slots_all[i]
+            mask = torch.arange(total)[None, :] <= (cached + torch.arange(new))[:, None]
+        md.prefills.append(PrefillSeq(start, start + new, total, kv_index, mask))
+        start += new
+    scale = head_size**-0.5
+    reshape_and_cache(new_k, new_v, k_cache, v_cache, slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    out.copy_(paged_attention(q, new_k, new_v, k_cache, v_cache, md, scale))
+    start = 0
+    for i, (cached, new) in enumerate(seqs):
+        expected = _dense_attention(q[start : start + new], full_k[i], full_v[i], scale, cached)
+        torch.testing.assert_close(out[start : start + new], expected, atol=2e-5, rtol=1e-4)
+        start += new
+
+
+def test_reshape_and_cache_skips_negative_slots() -> None:
+    k_cache = torch.zeros(3, 2, 1, 4)
+    v_cache = torch.zeros(3, 2, 1, 4)
+    key = torch.arange(12, dtype=torch.float32).view(3, 1, 4) + 1
+    reshape_and_cache(key, -key, k_cache, v_cache, torch.tensor([2, -1, 5]), has_negative_slots=True)
+    flat = k_cache.view(-1, 4)
+    assert torch.equal(flat[2], key[0, 0]) and torch.equal(flat[5], key[2, 0])
+    assert flat[[0, 1, 3, 4]].abs().sum() == 0
+    assert torch.equal(v_cache.view(-1, 4)[5], -key[2, 0])
