@@ -84,6 +84,8 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     `seed + i`: children sample differently, yet rerunning the same request
     reproduces every child, and child 0 matches the same request with n=1.
     Unseeded children share one params object (nothing in it differs).
+    `parent_request_id` lets the scheduler hold siblings back until the first
+    one has computed the prompt, so the others share its blocks.
     A request with n == 1 is returned as is, under its own id.
     """
     params = request.sampling_params
@@ -99,7 +101,12 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
         else:
             child_params = params.clone(n=1, seed=params.seed + index)
         children.append(
-            replace(request, request_id=child_request_id(index, request.request_id), sampling_params=child_params)
+            replace(
+                request,
+                request_id=child_request_id(index, request.request_id),
+                sampling_params=child_params,
+                parent_request_id=request.request_id,
+            )
         )
     return children
 

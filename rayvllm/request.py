@@ -57,6 +57,8 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     cache_salt: str | None = None
+    # Set on the children of an n > 1 request; they share the prompt's blocks.
+    parent_request_id: str | None = None
 
 
 class Request:
@@ -75,6 +77,7 @@ class Request:
         self.arrival_time = core_req.arrival_time
         self.priority = core_req.priority
         self.cache_salt = core_req.cache_salt
+        self.parent_request_id = core_req.parent_request_id
         self.prompt_token_ids = list(core_req.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []

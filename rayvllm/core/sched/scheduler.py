@@ -57,6 +57,8 @@ class Scheduler:
         # Requests finished since the last step; the workers drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Per n > 1 parent: the sibling that computes the shared prompt first.
+        self._prompt_leaders: dict[str, Request] = {}
 
     # ---- requests in and out -------------------------------------------------
 
@@ -81,6 +83,9 @@ class Scheduler:
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        parent = request.parent_request_id
+        if parent is not None and self._prompt_leaders.get(parent) is request:
+            del self._prompt_leaders[parent]
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -135,14 +140,20 @@ class Scheduler:
             idx += 1
 
         for request in scheduled_running:
+            n = num_scheduled[request.request_id]
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids[request.request_id])
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            # Advance now: later decisions in this step (siblings waiting on a
+            # prompt) and the next schedule() see these tokens as in flight.
+            request.num_computed_tokens += n
 
         # Then waiting requests, unless this step had to preempt (no room).
         if not preempted_ids:
             while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek()
+                if self._wait_for_sibling(request):
+                    break
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if num_new > budget and not self.config.enable_chunked_prefill:
@@ -154,7 +165,7 @@ class Scheduler:
                 self.waiting.pop()
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
-                request.num_computed_tokens = num_hit
+                request.num_computed_tokens = num_hit + num_new
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 new_reqs.append(
@@ -180,10 +191,24 @@ class Scheduler:
             preempted_req_ids=preempted_ids,
         )
         self.finished_req_ids = set()
-        # Advance now so the next schedule() sees these tokens as in flight.
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
         return output
+
+    def _wait_for_sibling(self, request: Request) -> bool:
+        """Hold an n > 1 child back while a sibling is still computing the
+        prompt (with prefix caching on): once the prompt's full blocks are
+        cached, the child hits them and shares them instead of recomputing.
+        A leader whose prompt is scheduled to completion this step releases
+        its siblings in the same step, as its blocks are cached on allocation."""
+        parent = request.parent_request_id
+        if parent is None or not self.kv_cache_manager.enable_caching:
+            return False
+        leader = self._prompt_leaders.get(parent)
+        if leader is None or leader.is_finished() or leader.status != RequestStatus.RUNNING:
+            self._prompt_leaders[parent] = request
+            return False
+        if leader is request:
+            return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
