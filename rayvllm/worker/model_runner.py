@@ -123,8 +123,10 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
                 # A resumed request must continue its random stream where it left off.
-                for _ in new.output_token_ids:
-                    torch.empty(1).exponential_(generator=generator)
+                if new.output_token_ids:
+                    self.sampler.advance_generator(
+                        generator, len(new.output_token_ids), self.model_config.vocab_size
+                    )
             batch.add(
                 new.req_id,
                 new.prompt_token_ids,
