@@ -1,16 +1,17 @@
 /*
  * Paged attention for single-query tokens (decode) on the CPU, float32.
  *
- * Reads each key and value row of the paged cache exactly once per
- * (token, kv head), in place: no gathered copy of the context. The query
- * heads that share a KV head (GQA) are processed together so that a K/V row
- * is loaded once for all of them. Scores are kept in a scratch buffer and
- * soft-maxed exactly (max-subtracted), then V is accumulated.
+ * Reads each key and value of the paged cache exactly once per token, in
+ * place: no gathered copy of the context. One position's keys for all heads
+ * are contiguous, so a token walks whole blocks sequentially (friendly to the
+ * hardware prefetcher) and every query head, GQA groups included, is scored
+ * against a row while it is in cache. Scores are soft-maxed exactly
+ * (max-subtracted) in a scratch buffer, then V is accumulated per head.
  *
  * Layout: q/out [T, H, D]; caches [num_blocks, block_size, KVH, D];
  * block_tables [rows, bt_stride] (int64); token t uses block-table row
  * seq_rows[t] and attends to keys 0 .. ctx_lens[t]-1.
- * Work is split over threads by (token, kv head) pairs balanced on ctx length.
+ * Work is split over threads by runs of tokens balanced on context length.
  */
 #include <math.h>
 #include <pthread.h>
@@ -29,53 +30,58 @@ typedef struct {
     const int64_t *ctx_lens;
     int64_t H, KVH, D, bs;
     float scale;
-    int64_t item_begin, item_end; /* items are t * KVH + kvh */
+    int64_t t_begin, t_end;
     int64_t max_ctx;
 } job_t;
 
 static inline float dot(const float *a, const float *b, int64_t d) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float acc[16] = {0};
     int64_t i = 0;
-    for (; i + 8 <= d; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+    float s = 0.f;
+    for (int l = 0; l < 16; l++) s += acc[l];
     for (; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
-    const int64_t G = j->H / j->KVH, D = j->D, KVH = j->KVH, bs = j->bs;
-    float *scores = (float *)malloc(sizeof(float) * G * (j->max_ctx > 0 ? j->max_ctx : 1));
-    float *acc = (float *)malloc(sizeof(float) * G * D);
-    for (int64_t item = j->item_begin; item < j->item_end; item++) {
-        const int64_t t = item / KVH, h = item % KVH;
+    const int64_t H = j->H, G = j->H / j->KVH, D = j->D, KVH = j->KVH, bs = j->bs;
+    const int64_t row = KVH * D; /* one position's keys for all heads: contiguous */
+    const int64_t max_ctx = j->max_ctx > 0 ? j->max_ctx : 1;
+    float *scores = (float *)malloc(sizeof(float) * H * max_ctx);
+    float *acc = (float *)malloc(sizeof(float) * H * D);
+    for (int64_t t = j->t_begin; t < j->t_end; t++) {
         const int64_t ctx = j->ctx_lens[t];
         const int64_t *bt = j->block_tables + j->seq_rows[t] * j->bt_stride;
-        const float *qh = j->q + (t * j->H + h * G) * D;
+        const float *qt = j->q + t * H * D;
+        /* Pass 1: scores. Positions stream through whole blocks of contiguous memory. */
         for (int64_t p = 0; p < ctx; p++) {
-            const float *k = j->kc + ((bt[p / bs] * bs + p % bs) * KVH + h) * D;
-            for (int64_t g = 0; g < G; g++) scores[g * ctx + p] = dot(qh + g * D, k, D) * j->scale;
+            const float *k = j->kc + (bt[p / bs] * bs + p % bs) * row;
+            for (int64_t h = 0; h < H; h++)
+                scores[h * max_ctx + p] = dot(qt + h * D, k + (h / G) * D, D) * j->scale;
         }
-        for (int64_t g = 0; g < G; g++) {
-            float *s = scores + g * ctx;
+        for (int64_t h = 0; h < H; h++) {
+            float *s = scores + h * max_ctx;
             float m = -INFINITY, sum = 0.f;
             for (int64_t p = 0; p < ctx; p++) m = s[p] > m ? s[p] : m;
             for (int64_t p = 0; p < ctx; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
             const float inv = 1.f / sum;
             for (int64_t p = 0; p < ctx; p++) s[p] *= inv;
         }
-        memset(acc, 0, sizeof(float) * G * D);
+        /* Pass 2: weighted sum of values, accumulated per head in L1. */
+        memset(acc, 0, sizeof(float) * H * D);
         for (int64_t p = 0; p < ctx; p++) {
-            const float *v = j->vc + ((bt[p / bs] * bs + p % bs) * KVH + h) * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float w = scores[g * ctx + p];
-                float *a = acc + g * D;
-                for (int64_t d = 0; d < D; d++) a[d] += w * v[d];
+            const float *v = j->vc + (bt[p / bs] * bs + p % bs) * row;
+            for (int64_t h = 0; h < H; h++) {
+                const float w = scores[h * max_ctx + p];
+                const float *vh = v + (h / G) * D;
+                float *a = acc + h * D;
+                for (int64_t d = 0; d < D; d++) a[d] += w * vh[d];
             }
         }
-        for (int64_t g = 0; g < G; g++)
-            memcpy(j->out + (t * j->H + h * G + g) * D, acc + g * D, sizeof(float) * D);
+        memcpy(j->out + t * H * D, acc, sizeof(float) * H * D);
     }
     free(scores);
     free(acc);
@@ -89,32 +95,30 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
                                int num_threads) {
     if (num_threads < 1) num_threads = 1;
     if (num_threads > 64) num_threads = 64;
-    const int64_t items = T * KVH;
     int64_t total = 0, max_ctx = 0;
     for (int64_t t = 0; t < T; t++) {
         total += ctx_lens[t];
         if (ctx_lens[t] > max_ctx) max_ctx = ctx_lens[t];
     }
-    total *= KVH;
     job_t jobs[64];
     pthread_t threads[64];
     int launched[64] = {0};
-    int64_t item = 0, done = 0;
+    int64_t t = 0, done = 0;
     for (int w = 0; w < num_threads; w++) {
-        /* Contiguous chunks with roughly equal key counts. */
+        /* Contiguous runs of tokens with roughly equal key counts. */
         const int64_t target = total * (w + 1) / num_threads;
-        const int64_t begin = item;
-        while (item < items && (w == num_threads - 1 || done < target)) done += ctx_lens[item++ / KVH];
+        const int64_t begin = t;
+        while (t < T && (w == num_threads - 1 || done < target)) done += ctx_lens[t++];
         jobs[w] = (job_t){q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
-                          bs, scale, begin, item, max_ctx};
+                          bs, scale, begin, t, max_ctx};
     }
     for (int w = 1; w < num_threads; w++)
-        if (jobs[w].item_begin < jobs[w].item_end)
+        if (jobs[w].t_begin < jobs[w].t_end)
             launched[w] = pthread_create(&threads[w], NULL, run, &jobs[w]) == 0;
     run(&jobs[0]);
     for (int w = 1; w < num_threads; w++) {
         if (launched[w]) pthread_join(threads[w], NULL);
-        else if (jobs[w].item_begin < jobs[w].item_end) run(&jobs[w]);
+        else if (jobs[w].t_begin < jobs[w].t_end) run(&jobs[w]);
     }
     return 0;
 }
