@@ -131,3 +131,25 @@ def test_cli_generate_on_demo_model(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert '"prompt": "Hello"' in result.stdout and '"finish_reason": "length"' in result.stdout
     assert (tmp_path / "cache" / "demo-llama-v1" / "config.json").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_logprobs_close_to_float32_reference(tiny_model_dir: Path, dtype: str) -> None:
+    """Half types run through the torch attention path on CPU; their logprobs
+    of the float32 greedy tokens stay close to transformers in float32."""
+    prompt = [5, 77, 912, 40, 3000, 18]
+    llm = LLM(model=str(tiny_model_dir), dtype=dtype, max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
+    runner = llm.llm_engine.engine_core.executor.runner
+    assert runner.kv_caches[0][0].dtype == getattr(torch, dtype) and not runner.use_c_decode
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
+                      output_logits=True, return_dict_in_generate=True)
+    ref_tokens = ref.sequences[0, len(prompt):].tolist()
+    ref_lp = torch.log_softmax(torch.stack(ref.logits)[:, 0].float(), dim=-1)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5, temperature=0),
+                       use_tqdm=False)[0]
+    # Compare where the half-precision run stayed on the float32 path.
+    for step, (tok, ref_tok) in enumerate(zip(out.outputs[0].token_ids, ref_tokens)):
+        assert abs(out.outputs[0].logprobs[step][tok].logprob - ref_lp[step, tok].item()) < 0.05
+        if tok != ref_tok:
+            break
