@@ -34,20 +34,35 @@ typedef struct {
     int64_t max_ctx;
 } job_t;
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16)
-        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+static inline float dot(const float *__restrict a, const float *__restrict b, const int64_t d) {
     float s = 0.f;
-    for (int l = 0; l < 16; l++) s += acc[l];
-    for (; i < d; i++) s += a[i] * b[i];
+    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
-static void *run(void *arg) {
-    job_t *j = (job_t *)arg;
-    const int64_t H = j->H, G = j->H / j->KVH, D = j->D, KVH = j->KVH, bs = j->bs;
+/* exp for x <= 0, branch-free so the softmax loop vectorises (glibc's expf is
+ * a scalar call, ~20 ns, a fifth of the kernel's time). Cephes' range
+ * reduction and polynomial: within 1e-6 relative of exp on [-30, 0]; below -87.3 it returns 0. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x <= -87.3f ? 0.0f : p * scale.f;
+}
+
+/* Inlined once per common head size so that every loop over D has a
+ * compile-time trip count (fully vectorised, no remainder handling). */
+static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64_t D) {
+    const int64_t H = j->H, G = j->H / j->KVH, KVH = j->KVH, bs = j->bs;
     const int64_t row = KVH * D; /* one position's keys for all heads: contiguous */
     const int64_t max_ctx = j->max_ctx > 0 ? j->max_ctx : 1;
     float *scores = (float *)malloc(sizeof(float) * H * max_ctx);
@@ -66,7 +81,7 @@ static void *run(void *arg) {
             float *s = scores + h * max_ctx;
             float m = -INFINITY, sum = 0.f;
             for (int64_t p = 0; p < ctx; p++) m = s[p] > m ? s[p] : m;
-            for (int64_t p = 0; p < ctx; p++) { s[p] = expf(s[p] - m); sum += s[p]; }
+            for (int64_t p = 0; p < ctx; p++) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
             const float inv = 1.f / sum;
             for (int64_t p = 0; p < ctx; p++) s[p] *= inv;
         }
@@ -76,8 +91,8 @@ static void *run(void *arg) {
             const float *v = j->vc + (bt[p / bs] * bs + p % bs) * row;
             for (int64_t h = 0; h < H; h++) {
                 const float w = scores[h * max_ctx + p];
-                const float *vh = v + (h / G) * D;
-                float *a = acc + h * D;
+                const float *__restrict vh = v + (h / G) * D;
+                float *__restrict a = acc + h * D;
                 for (int64_t d = 0; d < D; d++) a[d] += w * vh[d];
             }
         }
@@ -85,6 +100,20 @@ static void *run(void *arg) {
     }
     free(scores);
     free(acc);
+}
+
+static void *run(void *arg) {
+    job_t *j = (job_t *)arg;
+    switch (j->D) {
+        case 32: run_impl(j, 32); break;
+        case 48: run_impl(j, 48); break;
+        case 64: run_impl(j, 64); break;
+        case 80: run_impl(j, 80); break;
+        case 96: run_impl(j, 96); break;
+        case 128: run_impl(j, 128); break;
+        case 256: run_impl(j, 256); break;
+        default: run_impl(j, j->D); break;
+    }
     return NULL;
 }
 
