@@ -1,76 +1,25 @@
-"""The C decode kernel (`csrc_paged_attention.c`), built on first use.
-
-It is compiled with the system C compiler into the rayvllm cache directory
-(keyed by the source's hash, so edits rebuild) and called through ctypes,
-which releases the GIL. Without a compiler the engine falls back to the torch
-reference; `RAYVLLM_CPU_ATTENTION=torch` forces that fallback.
-"""
+"""The C decode kernel (`csrc_paged_attention.c`), built on first use (see `cbuild`)."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from rayvllm.kernels.cbuild import load_library
 
-_SOURCE = Path(__file__).with_name("csrc_paged_attention.c")
 # Reassociation lets the dot products vectorise (summation order differs from
 # torch's in the last bits, like any other attention kernel); no -ffast-math,
 # whose finite-math assumption would break the -inf running max.
-_FLAGS = [
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fassociative-math", "-fno-signed-zeros",
-    "-fno-trapping-math", "-shared", "-fPIC", "-pthread",
-]
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("RAYVLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rayvllm"
-    )
-    return Path(root) / "kernels"
-
-
-def _build() -> Path | None:
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_root() / f"paged_attention_{digest}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build into a temp name and rename, so concurrent first uses never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    result = subprocess.run(
-        [compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        os.unlink(tmp)
-        logger.warning("building the CPU attention kernel failed: %s", result.stderr.strip())
-        return None
-    os.replace(tmp, target)
-    return target
+_FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("RAYVLLM_CPU_ATTENTION", "c") == "torch":
+    lib = load_library("csrc_paged_attention.c", _FLAGS)
+    if lib is None:
         return None
-    path = _build()
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_attention_decode_f32.argtypes = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.paged_attention_decode_f32.restype = ctypes.c_int

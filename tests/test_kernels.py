@@ -126,3 +126,60 @@ def test_reshape_and_cache_skips_negative_slots() -> None:
     assert torch.equal(flat[2], key[0, 0]) and torch.equal(flat[5], key[2, 0])
     assert flat[[0, 1, 3, 4]].abs().sum() == 0
     assert torch.equal(v_cache.view(-1, 4)[5], -key[2, 0])
+
+
+def test_fused_add_rms_norm_matches_torch() -> None:
+    from rayvllm.kernels import cpu_ops
+    from rayvllm.layers.layernorm import RMSNorm
+
+    if not cpu_ops.available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    x = torch.randn(37, 96, generator=gen)
+    residual = torch.randn(37, 96, generator=gen)
+    expected, expected_res = norm.forward_with_residual(x, residual.clone())
+    expected_plain = norm(x)
+    norm.use_c_kernel = True
+    got_res = residual.clone()
+    got, returned = norm.forward_with_residual(x, got_res)
+    assert returned is got_res
+    torch.testing.assert_close(got_res, expected_res, atol=0, rtol=0)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(norm(x), expected_plain, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 2, 32), (6, 6, 48)])
+def test_fused_rope_and_cache_matches_torch(heads: int, kv_heads: int, head_size: int) -> None:
+    from rayvllm.kernels import cpu_ops
+    from rayvllm.layers.rotary import RotaryEmbedding
+
+    if not cpu_ops.available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(heads + head_size)
+    rope = RotaryEmbedding(head_size, 512, 10000.0, None, torch.float32)
+    num_tokens, q_size, kv_size = 21, heads * head_size, kv_heads * head_size
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, heads, head_size)
+    k = k.view(num_tokens, kv_heads, head_size)
+    v = v.view(num_tokens, kv_heads, head_size)
+    positions = torch.randint(0, 512, (num_tokens,), generator=gen)
+    slots = torch.randperm(40, generator=gen)[:num_tokens]
+    slots[3] = -1
+    key_cache = torch.full((10, 4, kv_heads, head_size), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
+    q_rot, k_rot = cpu_ops.rope_and_cache(q, k, v, positions, rope.cos, rope.sin, slots, key_cache, value_cache)
+    exp_q, exp_k = rope(positions, q, k)
+    # Same rounding as torch's elementwise ops: bit-identical.
+    assert torch.equal(q_rot, exp_q) and torch.equal(k_rot, exp_k)
+    flat_k = key_cache.view(-1, kv_heads, head_size)
+    flat_v = value_cache.view(-1, kv_heads, head_size)
+    keep = slots >= 0
+    assert torch.equal(flat_k[slots[keep]], exp_k[keep])
+    assert torch.equal(flat_v[slots[keep]], v[keep])
+    written = torch.zeros(40, dtype=torch.bool)
+    written[slots[keep]] = True
+    assert torch.isnan(flat_k[~written]).all()

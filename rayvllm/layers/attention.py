@@ -27,10 +27,17 @@ class Attention(nn.Module):
         self.value_cache = value_cache
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
+        """`kv_written`: the caller's fused kernel already stored k/v in the cache."""
         assert self.key_cache is not None, "KV cache not bound"
-        reshape_and_cache(
-            k, v, self.key_cache, self.value_cache, metadata.slot_mapping, metadata.has_negative_slots
-        )
+        if not kv_written:
+            reshape_and_cache(
+                k, v, self.key_cache, self.value_cache, metadata.slot_mapping, metadata.has_negative_slots
+            )
         return paged_attention(q, k, v, self.key_cache, self.value_cache, metadata, self.scale)

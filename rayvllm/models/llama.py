@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayvllm.kernels import cpu_ops
 from rayvllm.kernels.metadata import AttentionMetadata
 from rayvllm.layers.attention import Attention
 from rayvllm.layers.layernorm import RMSNorm
@@ -42,6 +43,7 @@ class LlamaAttention(nn.Module):
             dtype,
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.use_c_kernels = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -52,8 +54,15 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v, metadata)
+        if self.use_c_kernels:
+            q, k = cpu_ops.rope_and_cache(
+                q, k, v, positions, self.rotary.cos, self.rotary.sin, metadata.slot_mapping,
+                self.attn.key_cache, self.attn.value_cache,
+            )
+            o = self.attn(q, k, v, metadata, kv_written=True)
+        else:
+            q, k = self.rotary(positions, q, k)
+            o = self.attn(q, k, v, metadata)
         return self.o_proj(o.view(-1, self.q_size))
 
 
@@ -113,6 +122,14 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def enable_c_kernels(self) -> None:
+        """Switch norms and RoPE + KV write to the fused C kernels (float32 CPU)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_c_kernel = True
+            elif isinstance(module, LlamaAttention):
+                module.use_c_kernels = True
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

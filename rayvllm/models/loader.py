@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from rayvllm.errors import InvalidParameterError
+from rayvllm.kernels import cpu_ops
 from rayvllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -48,4 +49,6 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: str 
     with torch.device(device):
         model = cls(hf_config, dtype).to(dtype)
     model.load_weights(iterate_weights(Path(model_dir), dtype))
+    if device == "cpu" and dtype == torch.float32 and cpu_ops.available():
+        model.enable_c_kernels()
     return model.eval()

@@ -1,0 +1,79 @@
+"""Fused float32 CPU ops of the decoder layer (`csrc_cpu_ops.c`): add +
+RMSNorm, and RoPE + KV-cache write. Callers check `available()` and keep the
+torch path for other dtypes and devices."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from rayvllm.kernels.cbuild import load_library
+
+# No FMA contraction: the rotation then rounds exactly like torch's
+# elementwise mul/sub, keeping the C path bit-identical to the torch one.
+_FLAGS = ["-ffp-contract=off"]
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    lib = load_library("csrc_cpu_ops.c", _FLAGS)
+    if lib is None:
+        return None
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.rope_and_cache_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 4 + [i32]
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`residual += x` in place (when given), then RMSNorm of it (or of x) times weight."""
+    lib = _library()
+    assert lib is not None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows, hidden = x.shape
+    assert residual is None or residual.is_contiguous()
+    lib.add_rms_norm_f32(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        rows, hidden, eps, torch.get_num_threads(),
+    )
+    return out
+
+
+def rope_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q `[T, H, D]`, k/v `[T, KVH, D]` (heads contiguous in each row, any
+    row stride): returns rotated q and k, and writes rotated k and v to the
+    cache at `slot_mapping` (slots of -1 skipped)."""
+    lib = _library()
+    assert lib is not None
+    num_tokens, num_heads, head_size = q.shape
+    kv_heads = k.shape[1]
+    for t in (q, k, v):
+        assert t.stride(2) == 1 and t.stride(1) == head_size
+    q_out = torch.empty(num_tokens, num_heads, head_size, dtype=q.dtype)
+    k_out = torch.empty(num_tokens, kv_heads, head_size, dtype=k.dtype)
+    lib.rope_and_cache_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+        key_cache.data_ptr(), value_cache.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+        num_tokens, num_heads, kv_heads, head_size, torch.get_num_threads(),
+    )
+    return q_out, k_out

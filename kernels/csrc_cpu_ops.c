@@ -1,0 +1,139 @@
+/*
+ * Fused float32 elementwise ops of the decoder layer on the CPU. Each replaces
+ * several torch ops (and their temporaries) with one pass over the rows:
+ *
+ *   add_rms_norm:  residual += x (optional), out = weight * rmsnorm(residual)
+ *   rope_and_cache: rotate q and k (neox layout), write k and v to their
+ *                   paged-cache slots (slot -1 skipped), q and k out
+ *
+ * Rows are independent, so work is split over threads by row ranges.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*row_fn)(void *ctx, int64_t begin, int64_t end);
+
+typedef struct {
+    row_fn fn;
+    void *ctx;
+    int64_t begin, end;
+} chunk_t;
+
+static void *run_chunk(void *arg) {
+    chunk_t *c = (chunk_t *)arg;
+    c->fn(c->ctx, c->begin, c->end);
+    return NULL;
+}
+
+/* Below this many rows a thread costs more than it saves. */
+#define MIN_ROWS_PER_THREAD 16
+
+static void parallel_rows(row_fn fn, void *ctx, int64_t rows, int num_threads) {
+    if (num_threads > 16) num_threads = 16;
+    if (num_threads > rows / MIN_ROWS_PER_THREAD) num_threads = (int)(rows / MIN_ROWS_PER_THREAD);
+    if (num_threads < 2) {
+        fn(ctx, 0, rows);
+        return;
+    }
+    chunk_t chunks[16];
+    pthread_t threads[16];
+    int launched[16] = {0};
+    for (int w = 0; w < num_threads; w++)
+        chunks[w] = (chunk_t){fn, ctx, rows * w / num_threads, rows * (w + 1) / num_threads};
+    for (int w = 1; w < num_threads; w++)
+        launched[w] = pthread_create(&threads[w], NULL, run_chunk, &chunks[w]) == 0;
+    run_chunk(&chunks[0]);
+    for (int w = 1; w < num_threads; w++) {
+        if (launched[w]) pthread_join(threads[w], NULL);
+        else run_chunk(&chunks[w]);
+    }
+}
+
+/* ---- add_rms_norm --------------------------------------------------------- */
+
+typedef struct {
+    const float *x;
+    float *residual; /* NULL: no residual add, normalise x itself */
+    const float *weight;
+    float *out;
+    int64_t hidden;
+    float eps;
+} norm_ctx;
+
+static void norm_rows(void *arg, int64_t begin, int64_t end) {
+    norm_ctx *c = (norm_ctx *)arg;
+    const int64_t n = c->hidden;
+    for (int64_t r = begin; r < end; r++) {
+        const float *x = c->x + r * n;
+        float *o = c->out + r * n;
+        const float *src = x;
+        if (c->residual) {
+            float *res = c->residual + r * n;
+            for (int64_t i = 0; i < n; i++) res[i] += x[i];
+            src = res;
+        }
+        float ss = 0.f;
+        for (int64_t i = 0; i < n; i++) ss += src[i] * src[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + c->eps);
+        for (int64_t i = 0; i < n; i++) o[i] = c->weight[i] * (src[i] * inv);
+    }
+}
+
+int add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                     int64_t hidden, float eps, int num_threads) {
+    norm_ctx c = {x, residual, weight, out, hidden, eps};
+    parallel_rows(norm_rows, &c, rows, num_threads);
+    return 0;
+}
+
+/* ---- rope_and_cache ------------------------------------------------------- */
+
+typedef struct {
+    const float *q, *k, *v; /* rows of heads x D, row strides below */
+    int64_t q_stride, k_stride, v_stride;
+    const int64_t *positions;
+    const float *cos, *sin; /* [max_pos, D/2] */
+    const int64_t *slots;
+    float *key_cache, *value_cache; /* [slots, KVH, D] */
+    float *q_out, *k_out;           /* [T, H, D], [T, KVH, D] */
+    int64_t H, KVH, D;
+} rope_ctx;
+
+static inline void rotate(const float *x, float *y, const float *cs, const float *sn, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        y[i] = a * cs[i] - b * sn[i];
+        y[i + half] = b * cs[i] + a * sn[i];
+    }
+}
+
+static void rope_rows(void *arg, int64_t begin, int64_t end) {
+    rope_ctx *c = (rope_ctx *)arg;
+    const int64_t D = c->D, half = D / 2, kvw = c->KVH * D;
+    for (int64_t t = begin; t < end; t++) {
+        const float *cs = c->cos + c->positions[t] * half;
+        const float *sn = c->sin + c->positions[t] * half;
+        for (int64_t h = 0; h < c->H; h++)
+            rotate(c->q + t * c->q_stride + h * D, c->q_out + (t * c->H + h) * D, cs, sn, half);
+        float *k_out = c->k_out + t * kvw;
+        for (int64_t h = 0; h < c->KVH; h++) rotate(c->k + t * c->k_stride + h * D, k_out + h * D, cs, sn, half);
+        const int64_t slot = c->slots[t];
+        if (slot >= 0) {
+            memcpy(c->key_cache + slot * kvw, k_out, sizeof(float) * kvw);
+            memcpy(c->value_cache + slot * kvw, c->v + t * c->v_stride, sizeof(float) * kvw);
+        }
+    }
+}
+
+int rope_and_cache_f32(const float *q, const float *k, const float *v, int64_t q_stride,
+                       int64_t k_stride, int64_t v_stride, const int64_t *positions,
+                       const float *cos, const float *sin, const int64_t *slots, float *key_cache,
+                       float *value_cache, float *q_out, float *k_out, int64_t T, int64_t H,
+                       int64_t KVH, int64_t D, int num_threads) {
+    rope_ctx c = {q, k, v, q_stride, k_stride, v_stride, positions, cos, sin, slots,
+                  key_cache, value_cache, q_out, k_out, H, KVH, D};
+    parallel_rows(rope_rows, &c, T, num_threads);
+    return 0;
+}
