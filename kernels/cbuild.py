@@ -20,7 +20,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC", "-pthread"]
+# -fopenmp links libgomp.so.1 by soname; torch (imported first) has already
+# loaded its own copy under that soname, so the kernels share torch's pool.
+BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fopenmp"]
 
 
 def _cache_root() -> Path:

@@ -9,46 +9,23 @@
  * Rows are independent, so work is split over threads by row ranges.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 typedef void (*row_fn)(void *ctx, int64_t begin, int64_t end);
 
-typedef struct {
-    row_fn fn;
-    void *ctx;
-    int64_t begin, end;
-} chunk_t;
-
-static void *run_chunk(void *arg) {
-    chunk_t *c = (chunk_t *)arg;
-    c->fn(c->ctx, c->begin, c->end);
-    return NULL;
-}
-
 /* Below this many rows a thread costs more than it saves. */
 #define MIN_ROWS_PER_THREAD 16
 
+/* OpenMP, linked by soname so that it shares torch's libgomp thread pool. */
 static void parallel_rows(row_fn fn, void *ctx, int64_t rows, int num_threads) {
-    if (num_threads > 16) num_threads = 16;
     if (num_threads > rows / MIN_ROWS_PER_THREAD) num_threads = (int)(rows / MIN_ROWS_PER_THREAD);
     if (num_threads < 2) {
         fn(ctx, 0, rows);
         return;
     }
-    chunk_t chunks[16];
-    pthread_t threads[16];
-    int launched[16] = {0};
-    for (int w = 0; w < num_threads; w++)
-        chunks[w] = (chunk_t){fn, ctx, rows * w / num_threads, rows * (w + 1) / num_threads};
-    for (int w = 1; w < num_threads; w++)
-        launched[w] = pthread_create(&threads[w], NULL, run_chunk, &chunks[w]) == 0;
-    run_chunk(&chunks[0]);
-    for (int w = 1; w < num_threads; w++) {
-        if (launched[w]) pthread_join(threads[w], NULL);
-        else run_chunk(&chunks[w]);
-    }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int w = 0; w < num_threads; w++) fn(ctx, rows * w / num_threads, rows * (w + 1) / num_threads);
 }
 
 /* ---- add_rms_norm --------------------------------------------------------- */

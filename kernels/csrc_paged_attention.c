@@ -14,7 +14,6 @@
  * Work is split over threads by runs of tokens balanced on context length.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,8 +101,7 @@ static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64
     free(acc);
 }
 
-static void *run(void *arg) {
-    job_t *j = (job_t *)arg;
+static void run(job_t *j) {
     switch (j->D) {
         case 32: run_impl(j, 32); break;
         case 48: run_impl(j, 48); break;
@@ -114,7 +112,6 @@ static void *run(void *arg) {
         case 256: run_impl(j, 256); break;
         default: run_impl(j, j->D); break;
     }
-    return NULL;
 }
 
 int paged_attention_decode_f32(const float *q, float *out, const float *kc, const float *vc,
@@ -129,25 +126,22 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
         total += ctx_lens[t];
         if (ctx_lens[t] > max_ctx) max_ctx = ctx_lens[t];
     }
-    job_t jobs[64];
-    pthread_t threads[64];
-    int launched[64] = {0};
+    /* Contiguous runs of tokens with roughly equal key counts, one per thread.
+     * OpenMP, not pthreads: linked by soname, this shares torch's libgomp and
+     * its thread pool, so no torch worker is left spinning against us. */
+    int64_t bounds[65];
+    bounds[0] = 0;
     int64_t t = 0, done = 0;
     for (int w = 0; w < num_threads; w++) {
-        /* Contiguous runs of tokens with roughly equal key counts. */
         const int64_t target = total * (w + 1) / num_threads;
-        const int64_t begin = t;
         while (t < T && (w == num_threads - 1 || done < target)) done += ctx_lens[t++];
-        jobs[w] = (job_t){q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
-                          bs, scale, begin, t, max_ctx};
+        bounds[w + 1] = t;
     }
-    for (int w = 1; w < num_threads; w++)
-        if (jobs[w].t_begin < jobs[w].t_end)
-            launched[w] = pthread_create(&threads[w], NULL, run, &jobs[w]) == 0;
-    run(&jobs[0]);
-    for (int w = 1; w < num_threads; w++) {
-        if (launched[w]) pthread_join(threads[w], NULL);
-        else if (jobs[w].t_begin < jobs[w].t_end) run(&jobs[w]);
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int w = 0; w < num_threads; w++) {
+        job_t job = {q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
+                     bs, scale, bounds[w], bounds[w + 1], max_ctx};
+        if (job.t_begin < job.t_end) run(&job);
     }
     return 0;
 }
