@@ -49,6 +49,6 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: str 
     with torch.device(device):
         model = cls(hf_config, dtype).to(dtype)
     model.load_weights(iterate_weights(Path(model_dir), dtype))
-    if device == "cpu" and dtype == torch.float32 and cpu_ops.available():
-        model.enable_c_kernels()
+    if device == "cpu" and dtype == torch.float32:
+        model.optimize_for_cpu(use_c_kernels=cpu_ops.available())
     return model.eval()
