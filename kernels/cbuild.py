@@ -17,19 +17,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from rayvllm.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # -fopenmp links libgomp.so.1 by soname; torch (imported first) has already
 # loaded its own copy under that soname, so the kernels share torch's pool.
 BASE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fopenmp"]
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("RAYVLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rayvllm"
-    )
-    return Path(root) / "kernels"
 
 
 def load_library(source_name: str, extra_flags: list[str]) -> ctypes.CDLL | None:
@@ -39,7 +34,7 @@ def load_library(source_name: str, extra_flags: list[str]) -> ctypes.CDLL | None
     source = _HERE / source_name
     flags = BASE_FLAGS + extra_flags
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_root() / f"{source.stem}_{digest}.so"
+    target = cache_dir() / "kernels" / f"{source.stem}_{digest}.so"
     if not target.exists() and not _compile(source, flags, target):
         return None
     return ctypes.CDLL(str(target))

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from rayvllm.models.random_model import RandomModelSpec, build_random_model
+from rayvllm.paths import cache_dir
 
 DEMO_SPEC = RandomModelSpec(
     arch="llama",
@@ -21,13 +22,6 @@ DEMO_SPEC = RandomModelSpec(
 )
 # Bump when DEMO_SPEC or the builder changes, so stale caches are not reused.
 DEMO_VERSION = "1"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("RAYVLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rayvllm"
-    )
-    return Path(root)
 
 
 def demo_model_path() -> Path:
