@@ -30,6 +30,11 @@ def available() -> bool:
     return _library() is not None
 
 
+def supports(head_size: int, block_size: int) -> bool:
+    """Shapes the kernel handles: head size a multiple of 4, block size <= 256."""
+    return head_size % 4 == 0 and block_size <= 256 and available()
+
+
 def paged_attention_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -47,7 +52,8 @@ def paged_attention_decode(
     query = query.contiguous()
     out = torch.empty_like(query)
     num_tokens, num_heads, head_size = query.shape
-    _, block_size, kv_heads, _ = key_cache.shape
+    _, block_size, kv_heads, _ = value_cache.shape
+    assert key_cache.shape[1:] == (kv_heads, head_size, block_size)
     assert block_tables.dtype == seq_rows.dtype == ctx_lens.dtype == torch.int64
     assert block_tables.is_contiguous() and seq_rows.is_contiguous() and ctx_lens.is_contiguous()
     lib.paged_attention_decode_f32(

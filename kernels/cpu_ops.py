@@ -23,7 +23,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
-    lib.rope_and_cache_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 4 + [i32]
+    lib.rope_and_cache_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 5 + [i32]
     return lib
 
 
@@ -61,7 +61,7 @@ def rope_and_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q `[T, H, D]`, k/v `[T, KVH, D]` (heads contiguous in each row, any
     row stride): returns rotated q and k, and writes rotated k and v to the
-    cache at `slot_mapping` (slots of -1 skipped)."""
+    cache (layouts of kernels/reference.py) at `slot_mapping` (-1 skipped)."""
     lib = _library()
     assert lib is not None
     num_tokens, num_heads, head_size = q.shape
@@ -74,6 +74,6 @@ def rope_and_cache(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         key_cache.data_ptr(), value_cache.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
-        num_tokens, num_heads, kv_heads, head_size, torch.get_num_threads(),
+        num_tokens, num_heads, kv_heads, head_size, value_cache.shape[1], torch.get_num_threads(),
     )
     return q_out, k_out

@@ -73,9 +73,10 @@ typedef struct {
     const int64_t *positions;
     const float *cos, *sin; /* [max_pos, D/2] */
     const int64_t *slots;
-    float *key_cache, *value_cache; /* [slots, KVH, D] */
-    float *q_out, *k_out;           /* [T, H, D], [T, KVH, D] */
-    int64_t H, KVH, D;
+    float *key_cache;   /* [blocks, KVH, D, bs]: positions innermost */
+    float *value_cache; /* [blocks, bs, KVH, D] */
+    float *q_out, *k_out; /* [T, H, D], [T, KVH, D] */
+    int64_t H, KVH, D, bs;
 } rope_ctx;
 
 static inline void rotate(const float *x, float *y, const float *cs, const float *sn, int64_t half) {
@@ -98,7 +99,8 @@ static void rope_rows(void *arg, int64_t begin, int64_t end) {
         for (int64_t h = 0; h < c->KVH; h++) rotate(c->k + t * c->k_stride + h * D, k_out + h * D, cs, sn, half);
         const int64_t slot = c->slots[t];
         if (slot >= 0) {
-            memcpy(c->key_cache + slot * kvw, k_out, sizeof(float) * kvw);
+            float *kb = c->key_cache + (slot / c->bs) * kvw * c->bs + slot % c->bs;
+            for (int64_t i = 0; i < kvw; i++) kb[i * c->bs] = k_out[i];
             memcpy(c->value_cache + slot * kvw, c->v + t * c->v_stride, sizeof(float) * kvw);
         }
     }
@@ -108,9 +110,9 @@ int rope_and_cache_f32(const float *q, const float *k, const float *v, int64_t q
                        int64_t k_stride, int64_t v_stride, const int64_t *positions,
                        const float *cos, const float *sin, const int64_t *slots, float *key_cache,
                        float *value_cache, float *q_out, float *k_out, int64_t T, int64_t H,
-                       int64_t KVH, int64_t D, int num_threads) {
+                       int64_t KVH, int64_t D, int64_t bs, int num_threads) {
     rope_ctx c = {q, k, v, q_stride, k_stride, v_stride, positions, cos, sin, slots,
-                  key_cache, value_cache, q_out, k_out, H, KVH, D};
+                  key_cache, value_cache, q_out, k_out, H, KVH, D, bs};
     parallel_rows(rope_rows, &c, T, num_threads);
     return 0;
 }

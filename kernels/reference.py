@@ -1,8 +1,11 @@
 """Torch reference paged attention: the CPU path and the oracle for faster kernels.
 
-The KV cache of one layer is a pair of tensors shaped
-`[num_blocks, block_size, num_kv_heads, head_size]`; slot `s` is token
-`s % block_size` of block `s // block_size`.
+The KV cache of one layer is a pair of tensors: keys shaped
+`[num_blocks, num_kv_heads, head_size, block_size]` (a block's positions
+innermost, so a kernel scores a whole block against a query with plain vector
+FMAs and no horizontal sums) and values `[num_blocks, block_size,
+num_kv_heads, head_size]` (a position's values contiguous, as the weighted sum
+reads them). Slot `s` is position `s % block_size` of block `s // block_size`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ def reshape_and_cache(
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     kv_heads, head_size = key.shape[1], key.shape[2]
-    key_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, key)
+    block_size = value_cache.shape[1]
+    key_cache[slot_mapping // block_size, :, :, slot_mapping % block_size] = key
     value_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, value)
+
+
+def gather_keys(key_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Keys at `slots` (any shape S) as `[*S, kv_heads, head_size]`."""
+    block_size = key_cache.shape[3]
+    return key_cache[slots // block_size, :, :, slots % block_size]
 
 
 def paged_attention(
@@ -46,9 +56,8 @@ def paged_attention(
     kernel when the metadata carries block tables (float32 CPU), else to a
     gather + SDPA in torch, which is the oracle."""
     num_tokens, num_heads, head_size = query.shape
-    kv_heads = key_cache.shape[2]
+    kv_heads = value_cache.shape[2]
     out = torch.empty_like(query)
-    flat_k = key_cache.view(-1, kv_heads, head_size)
     flat_v = value_cache.view(-1, kv_heads, head_size)
 
     num_decodes = metadata.num_decode_tokens
@@ -60,7 +69,7 @@ def paged_attention(
             )
         else:
             out[:num_decodes] = _decode(
-                query[:num_decodes], flat_k, flat_v, metadata.decode_kv_index, metadata.decode_mask, scale
+                query[:num_decodes], key_cache, flat_v, metadata.decode_kv_index, metadata.decode_mask, scale
             )
     for seq in metadata.prefills:
         q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -68,7 +77,7 @@ def paged_attention(
             k = key[seq.q_start : seq.q_end]
             v = value[seq.q_start : seq.q_end]
         else:
-            k = flat_k.index_select(0, seq.kv_index)
+            k = gather_keys(key_cache, seq.kv_index)
             v = flat_v.index_select(0, seq.kv_index)
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
@@ -81,14 +90,14 @@ def paged_attention(
 
 def _decode(
     query: torch.Tensor,
-    flat_k: torch.Tensor,
+    key_cache: torch.Tensor,
     flat_v: torch.Tensor,
     kv_index: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = query.shape
-    kv_heads = flat_k.shape[1]
+    kv_heads = flat_v.shape[1]
     group = num_heads // kv_heads
     # Fold the query heads of one KV head into the query-length axis, so GQA
     # needs no repeated keys: q [B, kvh, group, D] against k [B, kvh, L, D].
@@ -96,7 +105,7 @@ def _decode(
     # Padded positions may hold anything, NaN included, and neither an additive
     # -inf mask nor a zero weight cancels NaN: zero them first.
     pad = ~mask.view(num_seqs, -1, 1, 1)
-    k = flat_k[kv_index].masked_fill_(pad, 0.0).transpose(1, 2)  # [B, kvh, L, D]
+    k = gather_keys(key_cache, kv_index).masked_fill_(pad, 0.0).transpose(1, 2)  # [B, kvh, L, D]
     v = flat_v[kv_index].masked_fill_(pad, 0.0).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_size)

@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq
-from rayvllm.kernels.reference import paged_attention, reshape_and_cache
+from rayvllm.kernels.reference import gather_keys, paged_attention, reshape_and_cache
 
 
 def _random_cache(num_blocks: int, block_size: int, kv_heads: int, head_size: int, gen: torch.Generator):
-    shape = (num_blocks, block_size, kv_heads, head_size)
-    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    """Keys [blocks, kv_heads, head_size, block_size], values [blocks, block_size, kv_heads, head_size]."""
+    keys = torch.randn(num_blocks, kv_heads, head_size, block_size, generator=gen)
+    return keys, torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int):
@@ -43,13 +44,12 @@ def test_c_decode_kernel_matches_reference(heads: int, kv_heads: int, block_size
     q = torch.randn(num_seqs, heads, head_size, generator=gen)
     scale = head_size**-0.5
     out = cpu_attention.paged_attention_decode(q, k_cache, v_cache, block_tables, rows.contiguous(), lens_by_token, scale)
-    flat_k = k_cache.view(-1, kv_heads, head_size)
     flat_v = v_cache.view(-1, kv_heads, head_size)
     for t in range(num_seqs):
         n = int(lens_by_token[t])
         pos = torch.arange(n)
         slots = block_tables[rows[t], pos // block_size] * block_size + pos % block_size
-        expected = _dense_attention(q[t : t + 1], flat_k[slots], flat_v[slots], scale, n - 1)
+        expected = _dense_attention(q[t : t + 1], gather_keys(k_cache, slots), flat_v[slots], scale, n - 1)
         torch.testing.assert_close(out[t : t + 1], expected, atol=2e-5, rtol=1e-4)
 
 
@@ -118,13 +118,13 @@ def test_reference_mixed_batch_matches_dense(use_c: bool) -> None:
 
 
 def test_reshape_and_cache_skips_negative_slots() -> None:
-    k_cache = torch.zeros(3, 2, 1, 4)
-    v_cache = torch.zeros(3, 2, 1, 4)
+    k_cache = torch.zeros(3, 1, 4, 2)  # [blocks, kv_heads, head_size, block_size]
+    v_cache = torch.zeros(3, 2, 1, 4)  # [blocks, block_size, kv_heads, head_size]
     key = torch.arange(12, dtype=torch.float32).view(3, 1, 4) + 1
     reshape_and_cache(key, -key, k_cache, v_cache, torch.tensor([2, -1, 5]), has_negative_slots=True)
-    flat = k_cache.view(-1, 4)
-    assert torch.equal(flat[2], key[0, 0]) and torch.equal(flat[5], key[2, 0])
-    assert flat[[0, 1, 3, 4]].abs().sum() == 0
+    # slot 2 = block 1, position 0; slot 5 = block 2, position 1
+    assert torch.equal(k_cache[1, 0, :, 0], key[0, 0]) and torch.equal(k_cache[2, 0, :, 1], key[2, 0])
+    assert k_cache[0].abs().sum() == 0 and k_cache[1, :, :, 1].abs().sum() == 0 and k_cache[2, :, :, 0].abs().sum() == 0
     assert torch.equal(v_cache.view(-1, 4)[5], -key[2, 0])
 
 
@@ -169,17 +169,16 @@ def test_fused_rope_and_cache_matches_torch(heads: int, kv_heads: int, head_size
     positions = torch.randint(0, 512, (num_tokens,), generator=gen)
     slots = torch.randperm(40, generator=gen)[:num_tokens]
     slots[3] = -1
-    key_cache = torch.full((10, 4, kv_heads, head_size), float("nan"))
-    value_cache = torch.full_like(key_cache, float("nan"))
+    key_cache = torch.full((10, kv_heads, head_size, 4), float("nan"))
+    value_cache = torch.full((10, 4, kv_heads, head_size), float("nan"))
     q_rot, k_rot = cpu_ops.rope_and_cache(q, k, v, positions, rope.cos, rope.sin, slots, key_cache, value_cache)
     exp_q, exp_k = rope(positions, q, k)
     # Same rounding as torch's elementwise ops: bit-identical.
     assert torch.equal(q_rot, exp_q) and torch.equal(k_rot, exp_k)
-    flat_k = key_cache.view(-1, kv_heads, head_size)
     flat_v = value_cache.view(-1, kv_heads, head_size)
     keep = slots >= 0
-    assert torch.equal(flat_k[slots[keep]], exp_k[keep])
+    assert torch.equal(gather_keys(key_cache, slots[keep]), exp_k[keep])
     assert torch.equal(flat_v[slots[keep]], v[keep])
     written = torch.zeros(40, dtype=torch.bool)
     written[slots[keep]] = True
-    assert torch.isnan(flat_k[~written]).all()
+    assert torch.isnan(gather_keys(key_cache, torch.arange(40)[~written])).all()

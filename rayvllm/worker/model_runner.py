@@ -53,7 +53,9 @@ class ModelRunner:
         # The persistent block table, shared (not copied) with the decode kernel.
         self.block_table_tensor = torch.from_numpy(self.input_batch.block_table)
         self.use_c_decode = (
-            self.device.type == "cpu" and self.dtype == torch.float32 and cpu_attention.available()
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and cpu_attention.supports(self.model_config.head_dim, self.block_size)
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -95,15 +97,18 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Per layer: keys `[blocks, kv_heads, head_size, block_size]`, values
+        `[blocks, block_size, kv_heads, head_size]` (see kernels/reference.py)."""
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        k_shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
+        v_shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         assert self.model is not None
         self.kv_caches = []
         # Zeroed, not empty: padded decode rows read unused slots, and NaN
         # garbage there would survive the mask as 0 * NaN.
         for layer in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k = torch.zeros(k_shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(v_shape, dtype=self.dtype, device=self.device)
             layer.bind_kv_cache(k, v)
             self.kv_caches.append((k, v))
 
