@@ -8,7 +8,9 @@
     are distinct random ids, so the hit rate is 0%: any difference is the cost
     of hashing blocks and keeping the cache. Each setting runs in its own
     subprocess; `--trials` alternates on/off (and which goes first) to spread
-    machine noise over both. Target: caching on costs at most 2%.
+    machine noise over both. The verdict compares the best rounds (other load
+    only slows rounds down); medians are shown too. Target: caching on costs
+    at most 2%.
 
 (b) TTFT: with caching on, then off (one subprocess each), per trial: a fresh
     512-token random prefix; request A = prefix + 16 random tokens runs to
@@ -161,8 +163,19 @@ def overhead_part(args: argparse.Namespace, model: str, tmp: str) -> dict[str, A
             child = run_child(argv, env=env, timeout=args.timeout, echo=args.verbose, prefix=f"[{setting}] ")
             payload = _check(child.payload, child.error(), f"caching {setting}")
             tok_s[setting].extend(r["tok_s"] for r in payload["rounds"])
-    on, off = median(tok_s["on"]), median(tok_s["off"])
-    return {"tok_s_on": on, "tok_s_off": off, "cost": 1.0 - on / off, "all_tok_s": tok_s}
+    # Other load on the machine only ever slows a round down, so the best
+    # rounds are the least noisy comparison; medians are kept alongside.
+    on, off = max(tok_s["on"]), max(tok_s["off"])
+    med_on, med_off = median(tok_s["on"]), median(tok_s["off"])
+    return {
+        "tok_s_on": on,
+        "tok_s_off": off,
+        "cost": 1.0 - on / off,
+        "median_tok_s_on": med_on,
+        "median_tok_s_off": med_off,
+        "median_cost": 1.0 - med_on / med_off,
+        "all_tok_s": tok_s,
+    }
 
 
 def ttft_part(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -193,8 +206,10 @@ def parent_main(args: argparse.Namespace) -> None:
                 o = overhead_part(args, model, tmp)
                 report["overhead"] = o
                 verdict = "ok" if o["cost"] <= 0.02 else "over the 2% target"
-                rows.append(["throughput, 0% hits", f"{o['tok_s_on']:.1f} tok/s", f"{o['tok_s_off']:.1f} tok/s",
-                             f"cost {100 * o['cost']:+.1f}%", verdict])
+                rows.append(["throughput, 0% hits (best round)", f"{o['tok_s_on']:.1f} tok/s",
+                             f"{o['tok_s_off']:.1f} tok/s", f"cost {100 * o['cost']:+.1f}%", verdict])
+                rows.append(["throughput, 0% hits (median)", f"{o['median_tok_s_on']:.1f} tok/s",
+                             f"{o['median_tok_s_off']:.1f} tok/s", f"cost {100 * o['median_cost']:+.1f}%", ""])
             except RuntimeError as exc:
                 report["overhead"] = {"error": str(exc)}
                 rows.append(["throughput, 0% hits", "-", "-", "-", f"error: {str(exc)[:120]}"])
@@ -211,7 +226,7 @@ def parent_main(args: argparse.Namespace) -> None:
                 rows.append(["TTFT, shared prefix", "-", "-", "-", f"error: {str(exc)[:120]}"])
     print()
     print(format_table(["measure", "caching on", "caching off", "effect", "target"], rows))
-    print(f"(throughput: median of {args.trials} x {args.repeats} rounds each; "
+    print(f"(throughput: best and median of {args.trials} x {args.repeats} rounds each; "
           f"TTFT: median wall time of {args.ttft_trials} max_tokens=1 generate calls)")
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -229,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2, help="timed rounds per overhead child")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per overhead child")
     p.add_argument("--trials", type=int, default=2, help="on/off child pairs for the overhead part")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
