@@ -310,10 +310,6 @@ class Processor:
             request_id, text, params, arrival_time=arrival_time, priority=priority, add_special_tokens=False
         )
 
-    def fan_out(self, request: EngineCoreRequest) -> list[EngineCoreRequest]:
-        """See the module-level `fan_out`."""
-        return fan_out(request)
-
     # ---- validation ------------------------------------------------------------
 
     def _validate_prompt_ids(self, ids: list[int]) -> None:
