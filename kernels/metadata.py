@@ -13,15 +13,16 @@ class PrefillSeq:
     """One sequence with more than one query token this step.
 
     Its queries are tokens `[q_start, q_end)` of the flat batch, at positions
-    `[context_len - (q_end - q_start), context_len)`. `kv_index` holds the flat
-    cache slots of all `context_len` keys; `mask` is None when there is no
-    cached prefix (plain causal attention over the new tokens).
+    `[context_len - (q_end - q_start), context_len)`. `block_ids` are the blocks
+    holding its `context_len` keys, in order; `mask` is None when there is no
+    cached prefix (plain causal attention over the new tokens, read from the
+    step's own k/v, and then `block_ids` is None too).
     """
 
     q_start: int
     q_end: int
     context_len: int
-    kv_index: torch.Tensor | None
+    block_ids: torch.Tensor | None
     mask: torch.Tensor | None
 
 

@@ -41,6 +41,19 @@ def gather_keys(key_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return key_cache[slots // block_size, :, :, slots % block_size]
 
 
+def gather_context(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `context_len` keys and values of a sequence stored in
+    `block_ids`, each `[context_len, kv_heads, head_size]`. Whole blocks are
+    gathered (contiguous copies), which is far cheaper than per-slot indexing
+    of the transposed key layout."""
+    kv_heads, head_size = value_cache.shape[2], value_cache.shape[3]
+    keys = key_cache.index_select(0, block_ids).permute(0, 3, 1, 2).reshape(-1, kv_heads, head_size)
+    values = value_cache.index_select(0, block_ids).view(-1, kv_heads, head_size)
+    return keys[:context_len], values[:context_len]
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -73,12 +86,11 @@ def paged_attention(
             )
     for seq in metadata.prefills:
         q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if seq.kv_index is None:
+        if seq.block_ids is None:
             k = key[seq.q_start : seq.q_end]
             v = value[seq.q_start : seq.q_end]
         else:
-            k = gather_keys(key_cache, seq.kv_index)
-            v = flat_v.index_select(0, seq.kv_index)
+            k, v = gather_context(key_cache, value_cache, seq.block_ids, seq.context_len)
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(

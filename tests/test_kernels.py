@@ -100,11 +100,11 @@ def test_reference_mixed_batch_matches_dense(use_c: bool) -> None:
     for i in (2, 3):
         cached, new = seqs[i]
         total = cached + new
-        kv_index = mask = None
+        block_ids = mask = None
         if cached:
-            kv_index = slots_all[i]
+            block_ids = block_tables[i, : -(-total // block_size)]
             mask = torch.arange(total)[None, :] <= (cached + torch.arange(new))[:, None]
-        md.prefills.append(PrefillSeq(start, start + new, total, kv_index, mask))
+        md.prefills.append(PrefillSeq(start, start + new, total, block_ids, mask))
         start += new
     scale = head_size**-0.5
     reshape_and_cache(new_k, new_v, k_cache, v_cache, slot_mapping)

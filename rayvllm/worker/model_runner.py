@@ -189,13 +189,13 @@ class ModelRunner:
         for i in range(nd, len(plan.states)):
             start, q_len = int(plan.starts[i]), int(plan.q_lens[i])
             ctx = start + q_len
-            kv_index = mask = None
+            block_ids = mask = None
             if start > 0:
+                block_ids = torch.from_numpy(batch.block_table[rows[i], : -(-ctx // bs)].copy())
                 pos = np.arange(ctx)
-                kv_index = torch.from_numpy(batch.block_table[rows[i], pos // bs] * bs + pos % bs)
                 mask = torch.from_numpy(pos[None, :] <= (start + np.arange(q_len))[:, None])
             metadata.prefills.append(
-                PrefillSeq(int(plan.cu_q[i]), int(plan.cu_q[i + 1]), ctx, kv_index, mask)
+                PrefillSeq(int(plan.cu_q[i]), int(plan.cu_q[i + 1]), ctx, block_ids, mask)
             )
         return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
 
