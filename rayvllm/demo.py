@@ -11,7 +11,7 @@ from rayvllm.paths import cache_dir
 
 DEMO_SPEC = RandomModelSpec(
     arch="llama",
-    vocab_size=4096,
+    vocab_size=512,  # below the trained BPE size: every id is a real token, output reads as words
     hidden_size=128,
     intermediate_size=384,
     num_hidden_layers=4,
@@ -21,7 +21,7 @@ DEMO_SPEC = RandomModelSpec(
     seed=1234,
 )
 # Bump when DEMO_SPEC or the builder changes, so stale caches are not reused.
-DEMO_VERSION = "1"
+DEMO_VERSION = "3"
 
 
 def demo_model_path() -> Path:

@@ -130,7 +130,9 @@ def test_cli_generate_on_demo_model(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert '"prompt": "Hello"' in result.stdout and '"finish_reason": "length"' in result.stdout
-    assert (tmp_path / "cache" / "demo-llama-v1" / "config.json").exists()
+    from rayvllm.demo import DEMO_VERSION
+
+    assert (tmp_path / "cache" / f"demo-llama-v{DEMO_VERSION}" / "config.json").exists()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
