@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
@@ -226,6 +226,26 @@ def emit_result(payload: dict[str, Any], result_path: str | None) -> None:
     if result_path:
         with open(result_path, "w") as f:
             json.dump(payload, f)
+
+
+def run_child_and_exit(
+    payload: dict[str, Any], work: Callable[[], dict[str, Any]], result_path: str | None
+) -> None:
+    """Child-process epilogue shared by the bench scripts: run `work()`, merge
+    its dict into `payload` (or record the error), emit the result, and leave
+    with `os._exit`: some engines keep non-daemon threads or worker processes
+    alive at interpreter exit, and the result is already written."""
+    try:
+        payload.update(work())
+    except BaseException as exc:  # noqa: BLE001 - any failure becomes a table entry
+        import traceback
+
+        traceback.print_exc()
+        payload["error"] = f"{type(exc).__name__}: {exc}"
+    emit_result(payload, result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if "error" not in payload else 1)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from _common import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
     Workload,
     build_model,
-    emit_result,
+    run_child_and_exit,
     format_table,
     load_engine,
     make_requests,
@@ -269,18 +269,7 @@ def main() -> None:
     if not args.child:
         parent_main(args)
         return
-    payload: dict[str, Any] = {"child": args.child}
-    try:
-        payload.update(ttft_child(args))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        import traceback
-
-        traceback.print_exc()
-        payload["error"] = f"{type(exc).__name__}: {exc}"
-    emit_result(payload, args.result_out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if "error" not in payload else 1)
+    run_child_and_exit({"child": args.child}, lambda: ttft_child(args), args.result_out)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ from _common import (  # noqa: E402
     Workload,
     build_model,
     count_output_tokens,
-    emit_result,
+    run_child_and_exit,
     load_engine,
     format_table,
     make_requests,
@@ -235,20 +235,9 @@ CHILDREN: dict[str, Callable[[str, Workload, argparse.Namespace], dict[str, Any]
 
 def child_main(args: argparse.Namespace) -> None:
     workload = Workload.load(args.workload)
-    payload: dict[str, Any] = {"engine": args.child}
-    try:
-        payload.update(CHILDREN[args.child](args.model, workload, args))
-    except BaseException as exc:  # noqa: BLE001 - any failure becomes a table entry
-        import traceback
-
-        traceback.print_exc()
-        payload["error"] = f"{type(exc).__name__}: {exc}"
-    emit_result(payload, args.result_out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Some engines leave non-daemon threads or worker processes behind at
-    # interpreter exit; the result is written, so leave now.
-    os._exit(0 if "error" not in payload else 1)
+    run_child_and_exit(
+        {"engine": args.child}, lambda: CHILDREN[args.child](args.model, workload, args), args.result_out
+    )
 
 
 # --------------------------------------------------------------------------- #
