@@ -159,11 +159,27 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # Ray placement of one worker group (TP x PP ranks, one bundle per rank).
+    placement_group_strategy: str = "PACK"
+    # Logical CPUs each CPU worker rank asks Ray for (GPU ranks ask for one GPU).
+    num_cpus_per_worker: float = 1.0
+    # How long to wait for a placement group to be placed, and for a process
+    # group to form and pass its preflight, before failing with names.
+    placement_group_timeout_s: float = 300.0
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.placement_group_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
+            raise InvalidParameterError(
+                "placement_group_strategy",
+                f"must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, got {self.placement_group_strategy!r}",
+            )
+        for name in ("num_cpus_per_worker", "placement_group_timeout_s", "distributed_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise InvalidParameterError(name, f"must be > 0, got {getattr(self, name)}")
         if self.distributed_executor_backend not in (None, "uni", "ray"):
             raise InvalidParameterError(
                 "distributed_executor_backend",
@@ -172,7 +188,12 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        """Ranks in one worker group (one data-parallel rank)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def use_ray(self) -> bool:
+        return self.distributed_executor_backend == "ray" or self.world_size > 1 or self.data_parallel_size > 1
 
 
 @dataclass

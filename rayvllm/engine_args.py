@@ -39,6 +39,10 @@ class EngineArgs(BaseModel):
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    placement_group_strategy: str = "PACK"
+    num_cpus_per_worker: float = 1.0
+    placement_group_timeout_s: float = 300.0
+    distributed_timeout_s: float = 60.0
     device: str = "auto"
     max_logprobs: int = 20
 
@@ -96,6 +100,10 @@ class EngineArgs(BaseModel):
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                placement_group_strategy=self.placement_group_strategy,
+                num_cpus_per_worker=self.num_cpus_per_worker,
+                placement_group_timeout_s=self.placement_group_timeout_s,
+                distributed_timeout_s=self.distributed_timeout_s,
             ),
             device=device,
             max_logprobs=self.max_logprobs,
