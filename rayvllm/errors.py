@@ -52,3 +52,19 @@ class EngineOverloadedError(RayvllmError):
 class EngineDeadError(RayvllmError):
     status_code = 503
     error_type = "service_unavailable"
+
+
+class PlacementError(RayvllmError):
+    """A worker group's placement group could not be placed in time; the
+    message names the bundles asked for and what the cluster has free."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class DistributedInitError(RayvllmError):
+    """A process group did not form or failed its preflight; the message
+    names the ranks (and their nodes) that did not answer."""
+
+    status_code = 503
+    error_type = "service_unavailable"
