@@ -11,14 +11,40 @@ Life of a block:
 
 Block 0 is the null block: reserved at construction, never handed out, never
 freed, never cached. Usable block ids are ``1 .. num_blocks - 1``.
+
+An optional `BlockPoolListener` sees the set of cached hashes change (a hash
+appears, a hash disappears), which is what a cross-pool prefix index needs to
+route requests between data-parallel ranks without asking each pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from rayvllm.core.kv_cache_utils import BlockHash
+
+
+class BlockPoolListener(Protocol):
+    """Observer of the *set of hashes* present in a pool's cached-block map.
+
+    Contract, per pool: ``on_block_cached(h)`` fires when `h` goes from absent
+    to present; ``on_block_evicted(h)`` fires when it goes from present to
+    absent (its last block was evicted, or `reset_prefix_cache` dropped it).
+    The two therefore alternate for any one hash, starting with "cached", and
+    replaying them reproduces ``cached_block_hash_to_block.keys()`` exactly.
+    A second block registered under a hash that is already present, or the
+    eviction of one of several blocks sharing a hash, fires nothing.
+
+    Callbacks run synchronously inside pool operations, on the scheduler's hot
+    path: they must be cheap, must not raise, and must not call back into the
+    pool.
+    """
+
+    def on_block_cached(self, block_hash: BlockHash) -> None: ...
+
+    def on_block_evicted(self, block_hash: BlockHash) -> None: ...
 
 
 class InsufficientBlocksError(RuntimeError):
@@ -160,10 +186,17 @@ class BlockPool:
     (``ref_cnt == 0``) or owned (``ref_cnt > 0``); ``cached_block_hash_to_block``
     holds exactly the blocks whose ``block_hash`` is set, keyed by that hash.
     Several blocks may share a hash (two requests computed the same prefix at
-    the same time); a lookup returns the earliest registered one.
+    the same time); a lookup returns the earliest registered one. If a
+    `listener` is given, it is told whenever a key of that map appears or
+    disappears (see `BlockPoolListener`).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        listener: BlockPoolListener | None = None,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -176,6 +209,7 @@ class BlockPool:
         # hash -> {block_id: block}; the inner dict keeps insertion order, so
         # lookups are deterministic when duplicates exist.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.listener = listener
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block holding `block_hash`'s KV, owned or free-but-cached, or None."""
@@ -228,6 +262,7 @@ class BlockPool:
                 f"need {num_full_blocks} block hashes, got {len(block_hashes)}"
             )
         table = self.cached_block_hash_to_block
+        listener = self.listener
         for i in range(num_cached_blocks, num_full_blocks):
             block = request_blocks[i]
             if block.is_null:
@@ -241,6 +276,8 @@ class BlockPool:
             entry = table.get(block_hash)
             if entry is None:
                 table[block_hash] = {block.block_id: block}
+                if listener is not None:
+                    listener.on_block_cached(block_hash)
             else:
                 entry[block.block_id] = block
 
@@ -272,6 +309,10 @@ class BlockPool:
         half-cleared map would be inconsistent with their hashes."""
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
+        listener = self.listener
+        if listener is not None:
+            for block_hash in self.cached_block_hash_to_block:
+                listener.on_block_evicted(block_hash)
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
@@ -285,4 +326,6 @@ class BlockPool:
             entry.pop(block.block_id, None)
             if not entry:
                 del self.cached_block_hash_to_block[block_hash]
+                if self.listener is not None:
+                    self.listener.on_block_evicted(block_hash)
         block.block_hash = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rayvllm.core.block_pool import BlockPool, KVCacheBlock
+from rayvllm.core.block_pool import BlockPool, BlockPoolListener, KVCacheBlock
 from rayvllm.core.kv_cache_utils import (
     BlockHash,
     PrefixCacheStats,
@@ -42,15 +42,26 @@ class KVCacheManager:
     blocks already registered in the pool's hash map;
     ``req_to_block_hashes[id][i]`` is the chain hash of the request's full
     block ``i`` and is only ever extended (tokens are append-only).
+
+    `listener` is handed to the `BlockPool` unchanged, so an outside index
+    (e.g. `PrefixIndex` for data-parallel routing) can mirror which hashes this
+    cache holds.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        *,
+        listener: BlockPoolListener | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, listener)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
