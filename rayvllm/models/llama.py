@@ -4,6 +4,13 @@ One implementation covers the family; the differences are flags read from
 the HF config: QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied
 embeddings, explicit head_dim, RoPE scaling. Q/K/V and gate/up are fused into
 single matmuls; the loader splits HF's separate weights into them.
+
+Parallelism (Megatron-style): QKV and gate/up are column-parallel (each TP
+rank holds its heads / its slice of the intermediate size), O and down are
+row-parallel with an all-reduce; KV heads split across ranks, replicated when
+TP exceeds their count; embedding and LM head are vocabulary-parallel. A
+pipeline stage holds a contiguous run of layers; the first embeds, the last
+norms and computes logits, the others take and return (hidden, residual).
 """
 
 from __future__ import annotations
@@ -14,25 +21,71 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayvllm.distributed.parallel_state import ParallelContext
+from rayvllm.errors import InvalidParameterError
 from rayvllm.kernels import cpu_ops
 from rayvllm.kernels.metadata import AttentionMetadata
 from rayvllm.layers.attention import Attention
 from rayvllm.layers.layernorm import RMSNorm
-from rayvllm.layers.linear import Linear
+from rayvllm.layers.linear import Linear, RowParallelLinear
 from rayvllm.layers.rotary import RotaryEmbedding
+from rayvllm.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers `[start, end)` of a pipeline stage: contiguous, sizes differing
+    by at most one, earlier stages taking the extra layers."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+def check_parallel_sizes(cfg: dict, tp_size: int, pp_size: int) -> None:
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % tp_size:
+        raise InvalidParameterError(
+            "tensor_parallel_size", f"{tp_size} does not divide the {heads} attention heads"
+        )
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise InvalidParameterError(
+            "tensor_parallel_size",
+            f"{tp_size} and the {kv_heads} KV heads must divide one another",
+        )
+    if cfg["intermediate_size"] % tp_size:
+        raise InvalidParameterError(
+            "tensor_parallel_size", f"{tp_size} does not divide intermediate_size {cfg['intermediate_size']}"
+        )
+    if pp_size > cfg["num_hidden_layers"]:
+        raise InvalidParameterError(
+            "pipeline_parallel_size", f"{pp_size} stages for {cfg['num_hidden_layers']} layers"
+        )
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype) -> None:
+    """Holds this TP rank's heads: query heads `[q_head_start, +num_heads)`
+    and KV heads `[kv_head_start, +num_kv_heads)` of the checkpoint's."""
+
+    def __init__(
+        self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext
+    ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        total_heads = cfg["num_attention_heads"]
+        total_kv = cfg.get("num_key_value_heads") or total_heads
+        self.head_dim = cfg.get("head_dim") or hidden // total_heads
+        self.num_heads = total_heads // ctx.tp_size
+        self.q_head_start = ctx.tp_rank * self.num_heads
+        if total_kv >= ctx.tp_size:
+            self.num_kv_heads = total_kv // ctx.tp_size
+            self.kv_head_start = ctx.tp_rank * self.num_kv_heads
+        else:  # replicated: each KV head serves tp_size / total_kv ranks
+            self.num_kv_heads = 1
+            self.kv_head_start = ctx.tp_rank // (ctx.tp_size // total_kv)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)))
+        self.o_proj = RowParallelLinear(self.q_size, hidden, bool(cfg.get("attention_bias", False)), ctx)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -68,11 +121,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    """`intermediate` is this TP rank's slice of the intermediate size."""
+
+    def __init__(self, hidden: int, intermediate: int, ctx: ParallelContext) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -80,11 +135,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext
+    ) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, dtype)
-        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, dtype, ctx)
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"] // ctx.tp_size, ctx)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -106,100 +163,157 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward` maps a flat token batch to hidden states; `compute_logits`
-    runs the LM head only on the rows the runner selects."""
+    """`forward` maps a flat token batch to hidden states (on a non-last
+    pipeline stage: to `(hidden, residual)` for the next stage);
+    `compute_logits` runs the LM head only on the rows the runner selects.
+
+    Layer modules are indexed locally (`layers[0]` is global layer
+    `start_layer`); checkpoint names are global and mapped on load.
+    """
 
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, cfg: dict, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: dict, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        ctx = parallel or ParallelContext()
+        check_parallel_sizes(cfg, ctx.tp_size, ctx.pp_size)
         self.cfg = cfg
+        self.parallel = ctx
+        self.start_layer, self.end_layer = stage_layers(cfg["num_hidden_layers"], ctx.pp_rank, ctx.pp_size)
         qkv_bias = self.qkv_bias or bool(cfg.get("attention_bias", False))
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+        self.embed_tokens = VocabParallelEmbedding(vocab, hidden, ctx) if ctx.is_first_stage else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx)
+            for _ in range(self.start_layer, self.end_layer)
         )
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        self.lm_head_t: torch.Tensor | None = None
+        self.norm: RMSNorm | None = None
+        self.lm_head: ParallelLMHead | None = None
+        if ctx.is_last_stage:
+            self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
+            self.lm_head = ParallelLMHead(vocab, hidden, ctx)
+            if self.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
 
     def optimize_for_cpu(self, use_c_kernels: bool) -> None:
-        """After loading, for float32 on the CPU: transposed GEMM layouts, a
-        transposed LM-head copy for small batches, and (when they built) the
-        fused C kernels for norms and RoPE + KV write."""
+        """After loading, for float32 on the CPU: transposed GEMM layouts (the
+        LM head keeps both), and (when they built) the fused C kernels for
+        norms and RoPE + KV write."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, ParallelLMHead)):
                 module.use_transposed()
             elif use_c_kernels and isinstance(module, RMSNorm):
                 module.use_c_kernel = True
             elif use_c_kernels and isinstance(module, LlamaAttention):
                 module.use_c_kernels = True
-        self.lm_head_t = self._lm_head_weight().detach().t().contiguous()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`input_ids` on the first stage, `intermediate` (hidden, residual) on the others."""
+        if self.embed_tokens is not None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None
+            x, residual = intermediate
         for layer in self.layers:
             x, residual = layer(positions, x, residual, metadata)
+        if self.norm is None:
+            assert residual is not None
+            return x, residual
         x, _ = self.norm.forward_with_residual(x, residual)
         return x
 
-    def _lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The head keeps both layouts on the CPU: the transposed one wins
-        # below ~48 rows, the original above (measured with MKL, 2 threads).
-        if self.lm_head_t is not None and hidden.shape[0] < 48:
-            return torch.mm(hidden, self.lm_head_t).float()
-        return F.linear(hidden, self._lm_head_weight()).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary float32 logits on the driver rank; None elsewhere.
+        Every TP rank of the last stage must call it (it gathers)."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        return self.lm_head(hidden)
 
     # ---- weights -----------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Consume HF-named tensors; q/k/v and gate/up land in their fused slices."""
+        """Consume HF-named tensors: keep this stage's layers, this TP rank's
+        slices, and land q/k/v and gate/up in their fused parameters."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            if name == "embed_tokens.weight" or name == "lm_head.weight":
+                self._load_vocab(name, tensor, loaded)
                 continue
-            target, shard = _fused_target(name, self.layers[0].self_attn if self.layers else None, self.cfg)
+            if name.startswith("layers."):
+                index = int(name.split(".", 2)[1])
+                if not self.start_layer <= index < self.end_layer:
+                    continue
+                name = f"layers.{index - self.start_layer}." + name.split(".", 2)[2]
+            elif name.startswith("norm.") and self.norm is None:
+                continue
+            target, rows, cols = self._shard_of(name, tensor)
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
+            if cols is not None:
+                tensor = tensor[:, cols[0] : cols[1]]
             with torch.no_grad():
-                if shard is None:
+                if rows is None:
                     param.copy_(tensor)
                 else:
-                    param[shard[0] : shard[1]].copy_(tensor)
+                    param[rows[0] : rows[0] + rows[2]].copy_(tensor[rows[1] : rows[1] + rows[2]])
             loaded.add(target)
         missing = set(params) - loaded
         if missing:
             raise KeyError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
 
+    def _load_vocab(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+        """The embedding feeds the first stage, and the LM head too when tied;
+        `lm_head.weight` of a tied checkpoint is ignored."""
+        if name == "embed_tokens.weight" and self.embed_tokens is not None:
+            self.embed_tokens.load_full(tensor)
+            loaded.add("embed_tokens.weight")
+        if self.lm_head is None or (name == "lm_head.weight") == self.tie_word_embeddings:
+            return
+        if self.lm_head.weight is not getattr(self.embed_tokens, "weight", None):
+            self.lm_head.load_full(tensor)
+            loaded.add("lm_head.weight")
 
-def _fused_target(name: str, attn: LlamaAttention | None, cfg: dict) -> tuple[str, tuple[int, int] | None]:
-    """HF weight name -> (our parameter name, row range inside it or None)."""
-    inter = cfg["intermediate_size"]
-    if attn is not None:
+    def _shard_of(
+        self, name: str, tensor: torch.Tensor
+    ) -> tuple[str, tuple[int, int, int] | None, tuple[int, int] | None]:
+        """HF name -> (our parameter, rows (dst start, src start, count) or
+        None for all, input columns `[start, end)` to keep or None)."""
+        if not self.layers:
+            return name, None, None
+        attn = self.layers[0].self_attn
+        hd, tp = attn.head_dim, self.parallel.tp_size
         q, kv = attn.q_size, attn.kv_size
-        for proj, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+        q_src, kv_src = attn.q_head_start * hd, attn.kv_head_start * hd
+        for proj, dst, src, n in (
+            ("q_proj", 0, q_src, q), ("k_proj", q, kv_src, kv), ("v_proj", q + kv, kv_src, kv)
+        ):
             if f".self_attn.{proj}." in name:
-                return name.replace(proj, "qkv_proj"), rows
-    for proj, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
-        if f".mlp.{proj}." in name:
-            return name.replace(proj, "gate_up_proj"), rows
-    return name, None
+                return name.replace(proj, "qkv_proj"), (dst, src, n), None
+        inter = self.layers[0].mlp.intermediate
+        inter_src = self.parallel.tp_rank * inter
+        for proj, dst in (("gate_proj", 0), ("up_proj", inter)):
+            if f".mlp.{proj}." in name:
+                return name.replace(proj, "gate_up_proj"), (dst, inter_src, inter), None
+        if tp > 1 and name.endswith("o_proj.weight"):
+            return name, None, (q_src, q_src + q)
+        if tp > 1 and name.endswith("down_proj.weight"):
+            return name, None, (inter_src, inter_src + inter)
+        return name, None, None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

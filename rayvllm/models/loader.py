@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.errors import InvalidParameterError
 from rayvllm.kernels import cpu_ops
 from rayvllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -39,7 +40,14 @@ def iterate_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, 
                 yield name, f.get_tensor(name).to(dtype)
 
 
-def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
+def load_model(
+    model_dir: str,
+    hf_config: dict,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    parallel: ParallelContext | None = None,
+) -> LlamaForCausalLM:
+    """This rank's part of the model (all of it without `parallel`)."""
     archs = hf_config.get("architectures") or []
     cls = next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
     if cls is None:
@@ -47,7 +55,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: str 
             "model", f"architectures {archs} not supported; supported: {', '.join(MODEL_REGISTRY)}"
         )
     with torch.device(device):
-        model = cls(hf_config, dtype).to(dtype)
+        model = cls(hf_config, dtype, parallel).to(dtype)
     model.load_weights(iterate_weights(Path(model_dir), dtype))
     if device == "cpu" and dtype == torch.float32:
         model.optimize_for_cpu(use_c_kernels=cpu_ops.available())
