@@ -85,6 +85,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
+        # Scheduler bookkeeping for parallel groups: output tokens already
+        # sent to the non-sampling ranks, and scheduled steps not yet returned.
+        self.num_output_tokens_sent = 0
+        self.num_inflight_steps = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         assert core_req.sampling_params.max_tokens is not None

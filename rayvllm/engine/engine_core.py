@@ -1,52 +1,133 @@
-"""The engine core: scheduler + executor, one `step()` per model forward."""
+"""The engine core: schedulers + executors, one `step()` per model forward.
+
+One `Scheduler` (with its own KV block pool and prefix cache) and one
+`Executor` (a worker group) per data-parallel rank; new requests are routed
+to a rank by exact prefix hit, then load. With pipeline parallelism up to
+`pipeline_parallel_size` scheduled steps per rank are in flight at once, so
+the stages work on different steps at the same time.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from rayvllm.config import EngineConfig
+from rayvllm.core.dp_router import DPRouter, RankLoad
+from rayvllm.core.prefix_index import PrefixIndex
+from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.core.sched.scheduler import Scheduler, SchedulerStats
 from rayvllm.engine.core_output import EngineCoreOutput
-from rayvllm.executor.base import Executor, create_executor
+from rayvllm.executor.base import Executor, PendingOutput, create_executor
 from rayvllm.request import EngineCoreRequest, Request
 
 
 class EngineCore:
-    """Token ids in, token ids out. Invariant: the scheduler's view of every
-    request and the workers' are updated by the same `SchedulerOutput`."""
+    """Token ids in, token ids out. Invariants: the scheduler's view of every
+    request and its workers' are updated by the same `SchedulerOutput`, in
+    the order they were scheduled; a request stays on the DP rank it was
+    routed to until it finishes."""
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executors: list[Executor] | None = None) -> None:
         self.config = config
-        self.executor = executor or create_executor(config)
-        num_blocks = self.executor.initialize()
+        pc = config.parallel_config
+        dp = pc.data_parallel_size
+        self.executors = executors or [create_executor(config, rank) for rank in range(dp)]
+        try:
+            num_blocks = min(executor.initialize() for executor in self.executors)
+        except BaseException:
+            self.shutdown()
+            raise
         needed = -(-config.model_config.max_model_len // config.cache_config.block_size) + 1
         if num_blocks < needed:
+            self.shutdown()
             raise ValueError(
                 f"the KV cache holds {num_blocks - 1} blocks of {config.cache_config.block_size} tokens, "
                 f"fewer than one max_model_len={config.model_config.max_model_len} sequence needs "
                 f"({needed - 1}); raise the KV cache budget or lower max_model_len"
             )
         config.cache_config.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        caching = config.cache_config.enable_prefix_caching
+        self.prefix_index = PrefixIndex(dp) if caching and dp > 1 else None
+        self.schedulers = [
+            Scheduler(
+                config.scheduler_config,
+                config.cache_config,
+                send_token_ids=pc.world_size > 1,
+                max_inflight_steps=pc.pipeline_parallel_size,
+                listener=self.prefix_index.listener(rank) if self.prefix_index else None,
+            )
+            for rank in range(dp)
+        ]
+        self.router = DPRouter(dp, config.cache_config.block_size, self.prefix_index)
+        self.max_inflight = pc.pipeline_parallel_size
+        self.inflight: list[deque[tuple[SchedulerOutput, PendingOutput]]] = [deque() for _ in range(dp)]
+        self.request_rank: dict[str, int] = {}
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of DP rank 0 (the only one without data parallelism)."""
+        return self.schedulers[0]
+
+    @property
+    def executor(self) -> Executor:
+        return self.executors[0]
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(request))
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Add requests that share one prompt (the children of an n > 1
+        request) to one DP rank, so they can share its cached blocks."""
+        reqs = [Request(r) for r in requests]
+        rank = 0
+        if len(self.schedulers) > 1 and reqs:
+            loads = [
+                RankLoad.from_requests(s.waiting, s.running, s.kv_cache_manager.usage) for s in self.schedulers
+            ]
+            rank = self.router.route(reqs[0], loads)
+        for req in reqs:
+            self.request_rank[req.request_id] = rank
+            self.schedulers[rank].add_request(req)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        return self.scheduler.abort_requests(request_ids)
+        aborted: list[str] = []
+        for req_id in request_ids:
+            rank = self.request_rank.pop(req_id, None)
+            if rank is not None:
+                aborted += self.schedulers[rank].abort_requests([req_id])
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.request_rank)
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
-            return []
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        """Fill each rank's pipeline, then take back its oldest step."""
+        for rank, scheduler in enumerate(self.schedulers):
+            queue = self.inflight[rank]
+            while len(queue) < self.max_inflight:
+                so = scheduler.schedule()
+                if so.is_empty and not so.finished_req_ids:
+                    break
+                queue.append((so, self.executors[rank].execute_model_async(so)))
+                if so.is_empty:
+                    break
+        outputs: list[EngineCoreOutput] = []
+        for rank, scheduler in enumerate(self.schedulers):
+            if self.inflight[rank]:
+                so, pending = self.inflight[rank].popleft()
+                outputs += scheduler.update_from_output(so, pending.result())
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.request_rank.pop(out.request_id, None)
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = [s.make_stats() for s in self.schedulers]
+        if len(stats) == 1:
+            return stats[0]
+        return SchedulerStats.combine(stats)
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        for executor in self.executors:
+            executor.shutdown()

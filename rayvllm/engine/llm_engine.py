@@ -6,7 +6,7 @@ Used by the offline `LLM`; the async loop of the server wraps the same pieces.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rayvllm.config import EngineConfig
 from rayvllm.engine.engine_core import EngineCore
@@ -17,6 +17,19 @@ from rayvllm.processor import Processor
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
 
+if TYPE_CHECKING:
+    from rayvllm.engine.ray_core_client import RayEngineCoreClient
+
+
+def make_engine_core(config: EngineConfig) -> "EngineCore | RayEngineCoreClient":
+    """In-process core by default; the SchedulerActor on Ray when any
+    parallel size exceeds 1 or `distributed_executor_backend="ray"`."""
+    if config.parallel_config.use_ray:
+        from rayvllm.engine.ray_core_client import RayEngineCoreClient
+
+        return RayEngineCoreClient(config)
+    return EngineCore(config)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -24,7 +37,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         self.processor = Processor(config.model_config, self.tokenizer, max_logprobs=config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = make_engine_core(config)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -54,7 +67,7 @@ class LLMEngine:
                 n=n,
                 output_kind=output_kind,
             )
-            self.engine_core.add_request(core_req)
+        self.engine_core.add_requests(core_reqs)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         ids = self.output_processor.child_request_ids(request_ids)

@@ -55,6 +55,11 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release the engine: with the Ray backend, its scheduler actor,
+        worker actors, process groups and placement groups."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -14,6 +14,11 @@ import torch
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.distributed.parallel_state import (
+    ParallelContext,
+    recv_from_prev_stage,
+    send_to_next_stage,
+)
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq
 from rayvllm.models.loader import load_model
@@ -38,8 +43,14 @@ class _StepPlan:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's runner. Under tensor/pipeline parallelism every rank of a
+    group runs `execute_model` on the same SchedulerOutput; only the driver
+    rank (`ParallelContext.is_driver`) samples and returns tokens, the others
+    return an empty output and append the tokens the scheduler sends back."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
+        self.parallel = parallel or ParallelContext()
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.device = torch.device(config.device)
@@ -65,13 +76,17 @@ class ModelRunner:
     def load_model(self) -> None:
         torch.manual_seed(self.model_config.seed)
         self.model = load_model(
-            self.model_config.model, self.model_config.hf_config, self.dtype, str(self.device)
+            self.model_config.model, self.model_config.hf_config, self.dtype, str(self.device), self.parallel
         )
 
     def kv_bytes_per_block(self) -> int:
-        mc = self.model_config
+        """Bytes of one block across this rank's layers and KV heads."""
+        assert self.model is not None
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
+            for layer in self.model.attention_layers()
+        )
 
     def determine_num_blocks(self) -> int:
         """Blocks (including the null block) that fit the KV memory budget,
@@ -99,14 +114,13 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Per layer: keys `[blocks, kv_heads, head_size, block_size]`, values
         `[blocks, block_size, kv_heads, head_size]` (see kernels/reference.py)."""
-        mc = self.model_config
-        k_shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
-        v_shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         assert self.model is not None
         self.kv_caches = []
         # Zeroed, not empty: padded decode rows read unused slots, and NaN
         # garbage there would survive the mask as 0 * NaN.
         for layer in self.model.attention_layers():
+            k_shape = (num_blocks, layer.num_kv_heads, layer.head_dim, self.block_size)
+            v_shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             k = torch.zeros(k_shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(v_shape, dtype=self.dtype, device=self.device)
             layer.bind_kv_cache(k, v)
@@ -148,6 +162,12 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_blocks(state, block_ids)
             state.num_computed_tokens = num_computed
+        if not self.parallel.is_driver:
+            # Tokens the driver sampled since this request was last scheduled.
+            for req_id, tokens in zip(cached.req_ids, cached.new_token_ids):
+                state = batch.requests[req_id]
+                for token in tokens:
+                    batch.append_token(state, token)
 
     def _plan(self, so: SchedulerOutput) -> _StepPlan:
         requests = self.input_batch.requests
@@ -206,8 +226,9 @@ class ModelRunner:
             return ModelRunnerOutput([], [], None, {})
         plan = self._plan(so)
         input_ids, positions, metadata = self._prepare_inputs(plan)
-        assert self.model is not None
-        hidden = self.model(input_ids.to(self.device), positions.to(self.device), metadata)
+        hidden = self._forward(input_ids, positions, metadata)
+        if hidden is None:
+            return ModelRunnerOutput([], [], None, {})
 
         # Sample only for requests whose scheduled tokens reach their end;
         # the others are mid-way through a chunked prefill.
@@ -218,13 +239,17 @@ class ModelRunner:
         prompt_logprobs: dict[str, LogprobsLists] = {}
         for i, state in enumerate(plan.states):
             if state.wants_prompt_logprobs and plan.starts[i] < len(state.prompt_token_ids):
-                prompt_logprobs[state.req_id] = self._prompt_logprobs(state, plan, i, hidden)
+                lp = self._prompt_logprobs(state, plan, i, hidden)
+                if lp is not None:
+                    prompt_logprobs[state.req_id] = lp
 
         if not sample_idx:
             return ModelRunnerOutput([], [], None, prompt_logprobs)
         sampled_states = [plan.states[i] for i in sample_idx]
         last_rows = torch.from_numpy(plan.cu_q[1:][sample_idx] - 1)
         logits = self.model.compute_logits(hidden.index_select(0, last_rows.to(self.device)))
+        if logits is None:  # a TP rank that only contributed its vocabulary shard
+            return ModelRunnerOutput([], [], None, {})
         metadata_s = build_sampling_metadata(sampled_states, logits.shape[-1])
         out = self.sampler(logits, metadata_s)
         token_ids: list[int] = out.sampled_token_ids.tolist()
@@ -235,9 +260,27 @@ class ModelRunner:
             [s.req_id for s in sampled_states], token_ids, logprobs, prompt_logprobs
         )
 
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """This stage's share of the forward; the last stage's hidden states,
+        or None on earlier stages (which pass theirs on)."""
+        assert self.model is not None
+        ctx = self.parallel
+        intermediate = None
+        if not ctx.is_first_stage:
+            intermediate = recv_from_prev_stage(
+                input_ids.shape[0], self.model_config.hf_config["hidden_size"], self.dtype, self.device, ctx
+            )
+        out = self.model(input_ids.to(self.device), positions.to(self.device), metadata, intermediate)
+        if ctx.is_last_stage:
+            return out
+        send_to_next_stage(out[0], out[1], ctx)
+        return None
+
     def _prompt_logprobs(
         self, state: CachedRequestState, plan: _StepPlan, i: int, hidden: torch.Tensor
-    ) -> LogprobsLists:
+    ) -> LogprobsLists | None:
         """Rows for prompt positions predicted in this chunk: hidden state of
         position j scores prompt token j + 1."""
         start, q_len = int(plan.starts[i]), int(plan.q_lens[i])
@@ -247,4 +290,6 @@ class ModelRunner:
         rows = hidden[base : base + (last - start)]
         targets = state.prompt_token_ids[start + 1 : last + 1]
         logits = self.model.compute_logits(rows)
+        if logits is None:
+            return None
         return compute_prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs or 0)

@@ -30,6 +30,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Only when the group has ranks that do not sample (TP/PP > 1): tokens
+    # sampled since the request was last scheduled, for those ranks to append.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

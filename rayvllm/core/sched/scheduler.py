@@ -9,11 +9,11 @@ recompute). Prefix-cache hits simply start a request with computed tokens.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rayvllm.config import CacheConfig, SchedulerConfig
+from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.core.kv_cache_manager import KVCacheManager
 from rayvllm.core.kv_cache_utils import PrefixCacheStats
 from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -31,6 +31,23 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats
     num_preemptions: int
 
+    @classmethod
+    def combine(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":
+        """Totals over data-parallel ranks; KV usage is the mean (the ranks'
+        pools are the same size)."""
+        prefix = PrefixCacheStats()
+        for s in per_rank:
+            prefix.requests += s.prefix_cache_stats.requests
+            prefix.queries += s.prefix_cache_stats.queries
+            prefix.hits += s.prefix_cache_stats.hits
+        return cls(
+            num_running_reqs=sum(s.num_running_reqs for s in per_rank),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in per_rank),
+            kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
+            prefix_cache_stats=prefix,
+            num_preemptions=sum(s.num_preemptions for s in per_rank),
+        )
+
 
 class Scheduler:
     """Owns the request queues and, through `KVCacheManager`, the KV blocks.
@@ -38,9 +55,24 @@ class Scheduler:
     Invariants: a request is in exactly one of `waiting` / `running` until it
     finishes; every running request holds blocks for all its computed tokens;
     `len(running) <= max_num_seqs`.
+
+    Pipelining (`max_inflight_steps > 1`): several scheduled steps may be
+    on the workers at once. A request in flight is never preempted (its
+    blocks may still be written); decoding requests are not rescheduled
+    until their token is back, while a prefill may send its next chunk
+    (every stage runs steps in order, so the earlier chunk's KV is written
+    first).
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        send_token_ids: bool = False,
+        max_inflight_steps: int = 1,
+        listener: BlockPoolListener | None = None,
+    ) -> None:
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -50,7 +82,11 @@ class Scheduler:
             num_blocks=cache_config.num_blocks,
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
+            listener=listener,
         )
+        # Ranks that do not sample need the sampled tokens in the next step.
+        self.send_token_ids = send_token_ids
+        self.track_inflight = max_inflight_steps > 1
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -109,6 +145,7 @@ class Scheduler:
         # Running requests first, in order: decodes and continuing chunks.
         scheduled_running: list[Request] = []
         new_block_ids: dict[str, list[int]] = {}
+        out_of_blocks = False
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -122,6 +159,8 @@ class Scheduler:
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
+                if victim is None:
+                    break
                 if victim in scheduled_running:
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
@@ -131,7 +170,11 @@ class Scheduler:
                 if victim is request:
                     break
             if blocks is None:
-                # `request` itself was preempted and removed from running.
+                if request.status == RequestStatus.RUNNING:
+                    # Every possible victim is in flight: wait for them.
+                    out_of_blocks = True
+                    idx += 1
+                # Otherwise `request` itself was preempted and left running.
                 continue
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -144,12 +187,15 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids[request.request_id])
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if self.send_token_ids:
+                cached.new_token_ids.append(request.output_token_ids[request.num_output_tokens_sent :])
+                request.num_output_tokens_sent = request.num_output_tokens
             # Advance now: later decisions in this step (siblings waiting on a
             # prompt) and the next schedule() see these tokens as in flight.
             request.num_computed_tokens += n
 
         # Then waiting requests, unless this step had to preempt (no room).
-        if not preempted_ids:
+        if not preempted_ids and not out_of_blocks:
             while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek()
                 if self._wait_for_sibling(request):
@@ -178,9 +224,13 @@ class Scheduler:
                         num_computed_tokens=num_hit,
                     )
                 )
+                request.num_output_tokens_sent = request.num_output_tokens
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
 
+        if self.track_inflight:
+            for req_id in num_scheduled:
+                self.requests[req_id].num_inflight_steps += 1
         total = self.max_num_batched_tokens - budget
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -210,10 +260,15 @@ class Scheduler:
             return False
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Request | None:
+        candidates = self.running
+        if self.track_inflight:
+            candidates = [r for r in self.running if r.num_inflight_steps == 0]
+            if not candidates:
+                return None
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -230,6 +285,11 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if self.track_inflight:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                live = self.requests.get(req_id)
+                if live is not None:
+                    live.num_inflight_steps -= 1
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         emitted: set[str] = set()

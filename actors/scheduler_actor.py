@@ -1,0 +1,59 @@
+"""`SchedulerActor`: the Ray shim over the engine core (schedulers, KV block
+pools, prefix caches and the worker groups they drive).
+
+It asks Ray for no CPU (DESIGN principle 8): it computes nothing heavy and
+must fit beside the workers on a small machine.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from rayvllm.config import EngineConfig
+from rayvllm.core.sched.scheduler import SchedulerStats
+from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine.engine_core import EngineCore
+from rayvllm.request import EngineCoreRequest
+
+
+@ray.remote(num_cpus=0)
+class SchedulerActor:
+    """Construction is cheap; `start` builds the core so its errors
+    (placement, preflight, sizing) reach the caller with their own types."""
+
+    def __init__(self) -> None:
+        # Scheduling is single-threaded Python; torch threads would only spin.
+        torch.set_num_threads(1)
+        self.core: EngineCore | None = None
+
+    def start(self, config: EngineConfig) -> int:
+        """Start every worker group; returns the KV blocks per DP rank."""
+        self.core = EngineCore(config)
+        return config.cache_config.num_blocks
+
+    def step(
+        self, new_requests: list[list[EngineCoreRequest]], aborts: list[str]
+    ) -> list[EngineCoreOutput]:
+        """Everything the engine loop has for the core, then one step: the
+        loop's single call per step."""
+        assert self.core is not None
+        if aborts:
+            self.core.abort_requests(aborts)
+        for group in new_requests:
+            self.core.add_requests(group)
+        return self.core.step()
+
+    def make_stats(self) -> SchedulerStats:
+        assert self.core is not None
+        return self.core.make_stats()
+
+    def check_health(self) -> None:
+        assert self.core is not None
+        for executor in self.core.executors:
+            executor.check_health()
+
+    def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()
+            self.core = None

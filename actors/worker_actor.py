@@ -1,0 +1,35 @@
+"""`WorkerActor`: the Ray shim over one rank's `Worker`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from rayvllm.config import EngineConfig
+from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.worker.outputs import ModelRunnerOutput
+from rayvllm.worker.worker import Worker, free_port
+
+
+@ray.remote
+class WorkerActor:
+    """Methods run one at a time, in the order the executor called them
+    (the default actor concurrency of 1): every rank sees steps in order."""
+
+    def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int) -> None:
+        self.worker = Worker(config, rank, ranks_on_node)
+
+    def node(self) -> tuple[str, str]:
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Setup and teardown calls (`init_distributed`, `preflight`, `load_model`, ...)."""
+        return getattr(self.worker, method)(*args)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

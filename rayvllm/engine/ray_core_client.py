@@ -1,0 +1,84 @@
+"""The engine loop's handle on a `SchedulerActor`: the same methods as
+`EngineCore`, so the loop cannot tell them apart (DESIGN principle 1).
+
+New requests and aborts are buffered and travel with the next `step` call,
+so a step costs the loop exactly one Ray round trip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rayvllm.actors.scheduler_actor import SchedulerActor
+from rayvllm.config import EngineConfig, ParallelConfig
+from rayvllm.core.sched.scheduler import SchedulerStats
+from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.request import EngineCoreRequest
+
+
+def ensure_ray_initialized(pc: ParallelConfig) -> None:
+    """Join the Ray cluster this process can find (RAY_ADDRESS or a local
+    `ray start`); otherwise start a local one with at least enough logical
+    CPUs for every worker rank, oversubscribing a small machine on purpose
+    (the ranks' torch threads are sized to the real cores)."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        return
+    except ConnectionError:
+        pass
+    needed = pc.data_parallel_size * pc.world_size * pc.num_cpus_per_worker
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), log_to_driver=False)
+
+
+class RayEngineCoreClient:
+    def __init__(self, config: EngineConfig) -> None:
+        ensure_ray_initialized(config.parallel_config)
+        node = ray.get_runtime_context().get_node_id()
+        self.actor: Any = SchedulerActor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)
+        ).remote()
+        try:
+            config.cache_config.num_blocks = ray.get(self.actor.start.remote(config))
+        except BaseException:
+            ray.kill(self.actor)
+            raise
+        self._new: list[list[EngineCoreRequest]] = []
+        self._aborts: list[str] = []
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._new.append([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._new.append(list(requests))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        ids = list(request_ids)
+        self._aborts += ids
+        return ids
+
+    def step(self) -> list[EngineCoreOutput]:
+        new, aborts = self._new, self._aborts
+        self._new, self._aborts = [], []
+        return ray.get(self.actor.step.remote(new, aborts))
+
+    def make_stats(self) -> SchedulerStats:
+        return ray.get(self.actor.make_stats.remote())
+
+    def check_health(self) -> None:
+        ray.get(self.actor.check_health.remote())
+
+    def shutdown(self) -> None:
+        if self.actor is None:
+            return
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(self.actor)
+            self.actor = None

@@ -1,0 +1,162 @@
+"""The worker group of one data-parallel rank, as Ray actors.
+
+Startup: placement group (one bundle per rank) -> one `WorkerActor` per rank
+-> torch.distributed world and TP groups -> preflight -> weights -> KV cache.
+Every phase waits at most `distributed_timeout_s` and, when ranks fail to
+answer, raises an error that names them and their nodes.
+
+A step is one actor call per rank, submitted together; the driver rank's
+result is the step's output. That is the only Ray round trip of a step.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from rayvllm.actors.worker_actor import WorkerActor
+from rayvllm.config import EngineConfig
+from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.errors import DistributedInitError
+from rayvllm.executor.base import Executor, PendingOutput
+from rayvllm.executor.placement import (
+    RankPlacement,
+    create_worker_placement_group,
+    rank_actor_options,
+    remove_worker_placement_group,
+)
+from rayvllm.worker.outputs import ModelRunnerOutput
+
+
+class _RayPending:
+    def __init__(self, refs: list[ray.ObjectRef], driver: int) -> None:
+        self.refs = refs
+        self.driver = driver
+
+    def result(self) -> ModelRunnerOutput:
+        # Waiting on every rank surfaces a failure on any of them.
+        return ray.get(self.refs)[self.driver]
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
+        super().__init__(config)
+        self.dp_rank = dp_rank
+        pc = config.parallel_config
+        self.world_size = pc.world_size
+        # TP rank 0 of the last stage samples (see ParallelContext.is_driver).
+        self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self.pg: Any = None
+        self.placements: list[RankPlacement] = []
+        self.workers: list[Any] = []
+
+    def initialize(self) -> int:
+        self.start_workers()
+        self.init_distributed()
+        return self.load_model()
+
+    # ---- startup phases (separate so tests can intervene between them) -------------
+
+    def start_workers(self) -> None:
+        pc = self.config.parallel_config
+        name = f"rayvllm-dp{self.dp_rank}-{uuid.uuid4().hex[:8]}"
+        self.pg, self.placements = create_worker_placement_group(pc, self.config.device, name)
+        per_node = Counter(p.node_id for p in self.placements)
+        self.workers = [
+            WorkerActor.options(**rank_actor_options(pc, self.config.device, self.pg, p)).remote(
+                self.config, p.rank, per_node[p.node_id] * pc.data_parallel_size
+            )
+            for p in self.placements
+        ]
+
+    def init_distributed(self) -> None:
+        """Form the process group and run the preflight; on failure, name
+        the ranks that did not answer (dead or silent) and their nodes."""
+        timeout = self.config.parallel_config.distributed_timeout_s
+        if self.world_size == 1:
+            self._on_all("ready", [w.node.remote() for w in self.workers], timeout)
+            return
+        port = self._on_all("start", [self.workers[0].free_port.remote()], timeout)[0]
+        addr = self.placements[0].node_ip
+        refs = [w.call.remote("init_distributed", addr, port, timeout) for w in self.workers]
+        self._on_all("process group init", refs, timeout + 15)
+        self._on_all("preflight", [w.call.remote("preflight") for w in self.workers], timeout + 15)
+
+    def load_model(self) -> int:
+        timeout = None  # loading large weights legitimately takes long
+        self._on_all("load_model", [w.call.remote("load_model") for w in self.workers], timeout)
+        blocks = self._on_all(
+            "KV sizing", [w.call.remote("determine_num_blocks") for w in self.workers], timeout
+        )
+        num_blocks = min(blocks)
+        self._on_all(
+            "KV allocation", [w.call.remote("initialize_kv_cache", num_blocks) for w in self.workers], timeout
+        )
+        return num_blocks
+
+    def _on_all(self, phase: str, refs: list[ray.ObjectRef], timeout: float | None) -> list[Any]:
+        """Results of one call per rank (rank order); raises
+        `DistributedInitError` naming every rank that failed or stayed silent."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        ready_set = set(ready)
+        results: list[Any] = []
+        silent: list[str] = []
+        failed: list[str] = []
+        for rank, ref in enumerate(refs):
+            where = self._where(rank)
+            if ref not in ready_set:
+                silent.append(f"rank {rank} ({where})")
+                continue
+            try:
+                results.append(ray.get(ref))
+            except RayActorError as e:
+                silent.append(f"rank {rank} ({where}; its actor died: {str(e).splitlines()[0]})")
+            except Exception as e:  # noqa: BLE001 - each rank's cause goes into the message
+                failed.append(f"rank {rank} ({where}): {type(e).__name__}: {str(e).splitlines()[-1]}")
+        if silent or failed:
+            parts = [f"worker group of DP rank {self.dp_rank} failed at {phase}"]
+            if silent:
+                parts.append("did not answer: " + "; ".join(silent))
+            if failed:
+                parts.append("raised: " + "; ".join(failed))
+            raise DistributedInitError(". ".join(parts))
+        return results
+
+    def _where(self, rank: int) -> str:
+        p = self.placements[rank] if rank < len(self.placements) else None
+        return f"node {p.node_ip} id {p.node_id[:12]}" if p else "unplaced"
+
+    # ---- steps -------------------------------------------------------------------
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        if self.world_size == 1:
+            return _RayPending([self.workers[0].execute_model.remote(scheduler_output)], 0)
+        # Serialise the step once for all ranks.
+        ref = ray.put(scheduler_output)
+        return _RayPending([w.execute_model.remote(ref) for w in self.workers], self.driver_rank)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def check_health(self) -> None:
+        self._on_all("health check", [w.node.remote() for w in self.workers], 30)
+
+    def shutdown(self) -> None:
+        """Destroy the process groups, then the actors and the placement group."""
+        if self.workers:
+            try:
+                ray.get([w.call.remote("shutdown") for w in self.workers], timeout=10)
+            except Exception:  # noqa: BLE001
+                # Best effort: a dead, stuck or failing rank loses its
+                # process group anyway when the kill below ends its process.
+                pass
+            for w in self.workers:
+                ray.kill(w)
+            self.workers = []
+        if self.pg is not None:
+            remove_worker_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,112 @@
+"""One rank of a worker group, Ray-free: process-group setup, the preflight
+check, and the model runner. `rayvllm.actors.WorkerActor` is its Ray shim."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rayvllm.config import EngineConfig
+from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.distributed.parallel_state import ParallelContext
+from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.worker.outputs import ModelRunnerOutput
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    """Rank `rank` of a group of `tp * pp` ranks (rank = pp_rank * tp + tp_rank).
+
+    On the CPU the rank takes an equal share of the node's cores
+    (`ranks_on_node` ranks share them), since oversubscribed OpenMP
+    pools stall each other at every barrier."""
+
+    def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int = 1) -> None:
+        pc = config.parallel_config
+        self.config = config
+        self.rank = rank
+        self.world_size = pc.world_size
+        self.parallel = ParallelContext(
+            tp_rank=rank % pc.tensor_parallel_size,
+            tp_size=pc.tensor_parallel_size,
+            pp_rank=rank // pc.tensor_parallel_size,
+            pp_size=pc.pipeline_parallel_size,
+        )
+        if config.device == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ranks_on_node)))
+        self.runner: ModelRunner | None = None
+
+    # ---- process groups ----------------------------------------------------------
+
+    def init_distributed(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        """Join the group's world (gloo on CPU, NCCL on CUDA) and build one
+        process group per TP group; every rank creates every group, in the
+        same order, as torch.distributed requires."""
+        if self.world_size == 1:
+            return
+        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        ctx = self.parallel
+        if ctx.tp_size > 1:
+            for stage in range(ctx.pp_size):
+                group = dist.new_group(list(range(stage * ctx.tp_size, (stage + 1) * ctx.tp_size)))
+                if stage == ctx.pp_rank:
+                    ctx.tp_group = group
+
+    def preflight(self) -> None:
+        """A tiny all-reduce in this rank's TP group and a send/recv across
+        each PP boundary it touches; raises if any value comes back wrong."""
+        ctx = self.parallel
+        device = torch.device(self.config.device)
+        if ctx.tp_size > 1:
+            x = torch.ones(1, device=device)
+            dist.all_reduce(x, group=ctx.tp_group)
+            if int(x.item()) != ctx.tp_size:
+                raise RuntimeError(f"TP all-reduce returned {x.item()}, expected {ctx.tp_size}")
+        works = []
+        if not ctx.is_last_stage:
+            works.append(dist.isend(torch.tensor([float(self.rank)], device=device), dst=ctx.next_stage_rank))
+        got = torch.full((1,), -1.0, device=device)
+        if not ctx.is_first_stage:
+            works.append(dist.irecv(got, src=ctx.prev_stage_rank))
+        for work in works:
+            work.wait()
+        if not ctx.is_first_stage and int(got.item()) != ctx.prev_stage_rank:
+            raise RuntimeError(f"PP recv from rank {ctx.prev_stage_rank} returned {got.item()}")
+
+    # ---- model -------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.runner = ModelRunner(self.config, self.parallel)
+        self.runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        assert self.runner is not None
+        return self.runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
