@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from rayvllm import LLM, SamplingParams
 from rayvllm.models.random_model import RandomModelSpec, build_random_model
 
-NUM_NEW = 24
+from hf_oracle import NUM_NEW, hf_greedy as _hf_greedy
 
 SPECS = {
     "llama-gqa": RandomModelSpec(arch="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, seed=1),
@@ -57,40 +56,6 @@ def _prompts(seed: int, n: int = 8, shared_prefix: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(5, 4000) for _ in range(shared_prefix)]
     return [prefix + [rng.randrange(5, 4000) for _ in range(rng.randint(3, 70))] for _ in range(n)]
-
-
-_HF_CACHE: dict[tuple, tuple[list[int], torch.Tensor]] = {}
-
-
-def _hf_greedy(model_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """transformers' own greedy generate; returns tokens and per-step log-softmax."""
-    key = (str(model_dir), tuple(prompt))
-    if key not in _HF_CACHE:
-        model = _hf_model(model_dir)
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NUM_NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        assert len(tokens) == NUM_NEW
-        logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
-        _HF_CACHE[key] = (tokens, logprobs)
-    return _HF_CACHE[key]
-
-
-_HF_MODELS: dict[str, torch.nn.Module] = {}
-
-
-def _hf_model(model_dir: Path) -> torch.nn.Module:
-    if str(model_dir) not in _HF_MODELS:
-        _HF_MODELS[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return _HF_MODELS[str(model_dir)]
 
 
 def _generate(llm: LLM, prompts: list[list[int]], logprobs: int | None = None) -> list:
