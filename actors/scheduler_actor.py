@@ -12,9 +12,15 @@ import torch
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.scheduler import SchedulerStats
+from rayvllm.distributed.rpc_channel import ChannelServer
 from rayvllm.engine.core_output import EngineCoreOutput
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.request import EngineCoreRequest
+
+
+def _one_thread() -> None:
+    # Scheduling is single-threaded Python; torch threads would only spin.
+    torch.set_num_threads(1)
 
 
 @ray.remote(num_cpus=0)
@@ -23,14 +29,21 @@ class SchedulerActor:
     (placement, preflight, sizing) reach the caller with their own types."""
 
     def __init__(self) -> None:
-        # Scheduling is single-threaded Python; torch threads would only spin.
-        torch.set_num_threads(1)
+        _one_thread()
         self.core: EngineCore | None = None
+        self.channel: ChannelServer | None = None
 
     def start(self, config: EngineConfig) -> int:
         """Start every worker group; returns the KV blocks per DP rank."""
         self.core = EngineCore(config)
         return config.cache_config.num_blocks
+
+    def open_channel(self) -> tuple[tuple[str, int], bytes]:
+        """Serve `step` and `make_stats` on a direct channel (the engine
+        loop's per-step path); returns its address and key. From then on
+        the core is touched only from the channel's thread."""
+        self.channel = ChannelServer(self, ray.util.get_node_ip_address(), on_thread_start=_one_thread)
+        return self.channel.address, self.channel.authkey
 
     def step(
         self, new_requests: list[list[EngineCoreRequest]], aborts: list[str]
@@ -54,6 +67,8 @@ class SchedulerActor:
             executor.check_health()
 
     def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         if self.core is not None:
             self.core.shutdown()
             self.core = None

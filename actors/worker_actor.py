@@ -7,6 +7,7 @@ from typing import Any
 import ray
 
 from rayvllm.config import EngineConfig
+from rayvllm.distributed.rpc_channel import ChannelServer
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.worker.outputs import ModelRunnerOutput
 from rayvllm.worker.worker import Worker, free_port
@@ -19,6 +20,7 @@ class WorkerActor:
 
     def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int) -> None:
         self.worker = Worker(config, rank, ranks_on_node)
+        self.channel: ChannelServer | None = None
 
     def node(self) -> tuple[str, str]:
         ctx = ray.get_runtime_context()
@@ -32,4 +34,18 @@ class WorkerActor:
         return getattr(self.worker, method)(*args)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step through Ray (the channel is the fast path)."""
         return self.worker.execute_model(scheduler_output)
+
+    def open_channel(self) -> tuple[tuple[str, int], bytes]:
+        """Serve the worker's methods on a direct channel; returns its
+        address and key. Steps then arrive there, not as actor calls."""
+        self.channel = ChannelServer(
+            self.worker, ray.util.get_node_ip_address(), on_thread_start=self.worker.set_threads
+        )
+        return self.channel.address, self.channel.authkey
+
+    def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.worker.shutdown()

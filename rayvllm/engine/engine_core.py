@@ -55,7 +55,7 @@ class EngineCore:
                 config.cache_config,
                 send_token_ids=pc.world_size > 1,
                 max_inflight_steps=pc.pipeline_parallel_size,
-                listener=self.prefix_index.listener(rank) if self.prefix_index else None,
+                listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
             )
             for rank in range(dp)
         ]

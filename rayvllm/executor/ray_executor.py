@@ -5,8 +5,9 @@ Startup: placement group (one bundle per rank) -> one `WorkerActor` per rank
 Every phase waits at most `distributed_timeout_s` and, when ranks fail to
 answer, raises an error that names them and their nodes.
 
-A step is one actor call per rank, submitted together; the driver rank's
-result is the step's output. That is the only Ray round trip of a step.
+A step is one message per rank on a direct channel (see rpc_channel.py for
+why not a Ray call), sent together; the driver rank's reply is the step's
+output. Steps skip Ray entirely; setup and teardown go through it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ray.exceptions import RayActorError
 from rayvllm.actors.worker_actor import WorkerActor
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.distributed.rpc_channel import ChannelClient, pickle_call
 from rayvllm.errors import DistributedInitError
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.placement import (
@@ -32,14 +34,17 @@ from rayvllm.executor.placement import (
 from rayvllm.worker.outputs import ModelRunnerOutput
 
 
-class _RayPending:
-    def __init__(self, refs: list[ray.ObjectRef], driver: int) -> None:
-        self.refs = refs
+class _PendingStep:
+    def __init__(self, channels: list[ChannelClient], driver: int) -> None:
+        self.channels = channels
         self.driver = driver
 
     def result(self) -> ModelRunnerOutput:
-        # Waiting on every rank surfaces a failure on any of them.
-        return ray.get(self.refs)[self.driver]
+        # Every rank replies (non-drivers with an empty output), in step
+        # order; reading them all keeps the channels aligned and surfaces a
+        # failure on any rank.
+        outputs = [c.recv() for c in self.channels]
+        return outputs[self.driver]
 
 
 class RayExecutor(Executor):
@@ -53,11 +58,15 @@ class RayExecutor(Executor):
         self.pg: Any = None
         self.placements: list[RankPlacement] = []
         self.workers: list[Any] = []
+        self.channels: list[ChannelClient] = []
 
     def initialize(self) -> int:
         self.start_workers()
         self.init_distributed()
-        return self.load_model()
+        num_blocks = self.load_model()
+        endpoints = self._on_all("channel setup", [w.open_channel.remote() for w in self.workers], 60)
+        self.channels = [ChannelClient(address, key) for address, key in endpoints]
+        return num_blocks
 
     # ---- startup phases (separate so tests can intervene between them) -------------
 
@@ -134,10 +143,12 @@ class RayExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         if self.world_size == 1:
-            return _RayPending([self.workers[0].execute_model.remote(scheduler_output)], 0)
-        # Serialise the step once for all ranks.
-        ref = ray.put(scheduler_output)
-        return _RayPending([w.execute_model.remote(ref) for w in self.workers], self.driver_rank)
+            self.channels[0].send("execute_model", scheduler_output)
+        else:
+            message = pickle_call("execute_model", scheduler_output)  # serialised once for all ranks
+            for channel in self.channels:
+                channel.send_pickled(message)
+        return _PendingStep(self.channels, self.driver_rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
@@ -146,10 +157,14 @@ class RayExecutor(Executor):
         self._on_all("health check", [w.node.remote() for w in self.workers], 30)
 
     def shutdown(self) -> None:
-        """Destroy the process groups, then the actors and the placement group."""
+        """Close the channels, destroy the process groups, then the actors
+        and the placement group."""
+        for channel in self.channels:
+            channel.close()
+        self.channels = []
         if self.workers:
             try:
-                ray.get([w.call.remote("shutdown") for w in self.workers], timeout=10)
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
             except Exception:  # noqa: BLE001
                 # Best effort: a dead, stuck or failing rank loses its
                 # process group anyway when the kill below ends its process.

@@ -41,9 +41,15 @@ class Worker:
             pp_rank=rank // pc.tensor_parallel_size,
             pp_size=pc.pipeline_parallel_size,
         )
-        if config.device == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ranks_on_node)))
+        self.num_threads = max(1, (os.cpu_count() or 1) // max(1, ranks_on_node))
+        self.set_threads()
         self.runner: ModelRunner | None = None
+
+    def set_threads(self) -> None:
+        """Size the calling thread's torch/OpenMP pool (the setting is per
+        thread, and Ray presets OMP_NUM_THREADS to the actor's CPU request)."""
+        if self.config.device == "cpu":
+            torch.set_num_threads(self.num_threads)
 
     # ---- process groups ----------------------------------------------------------
 

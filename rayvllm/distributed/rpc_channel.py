@@ -1,0 +1,110 @@
+"""A direct, authenticated TCP channel for the per-step hot path.
+
+Ray sets up the processes and hands each side the address and key; the
+steps themselves then skip Ray. Measured on the 2-core dev box: a plain Ray
+actor call round trip costs ~1.5 ms (3.5 ms for the engine loop ->
+scheduler -> worker chain), a Ray Compiled Graph ~0.3 ms but its idle
+readers spin at 60-70% of a core each, taking the cores the forward needs;
+this channel blocks in the kernel while waiting and costs ~0.1 ms.
+
+The server runs calls one at a time, in arrival order, on its own thread, so
+a client may send several calls before reading the first reply (pipeline
+stages overlap that way). Replies come back in the same order.
+"""
+
+from __future__ import annotations
+
+import pickle
+import secrets
+import socket
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+
+def _no_delay(conn: Connection) -> None:
+    # Large messages go out as header + payload; without TCP_NODELAY Nagle
+    # and delayed ACKs can hold the payload for tens of milliseconds.
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.detach()
+
+
+class ChannelServer:
+    """Serves `target.<method>(*args)` for one client. Invariant: at most one
+    call runs at a time, on the server thread (`on_thread_start` runs there
+    first, e.g. to size that thread's OpenMP pool)."""
+
+    def __init__(self, target: Any, host: str, on_thread_start: Callable[[], None] | None = None) -> None:
+        self.target = target
+        self.authkey = secrets.token_bytes(32)
+        self._listener = Listener((host, 0), authkey=self.authkey)
+        self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
+        self._on_thread_start = on_thread_start
+        self._conn: Connection | None = None
+        self._thread = threading.Thread(target=self._serve, name="rayvllm-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        if self._on_thread_start is not None:
+            self._on_thread_start()
+        try:
+            conn = self._conn = self._listener.accept()
+        except OSError:
+            return  # closed before a client came
+        _no_delay(conn)
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                reply: tuple[bool, Any] = (True, getattr(self.target, method)(*args))
+            except BaseException as e:  # noqa: BLE001 - the client re-raises it
+                reply = (False, e)
+            try:
+                conn.send(reply)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                conn.send((False, RuntimeError(traceback.format_exc())))
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+        if self._conn is not None:
+            self._conn.close()
+
+
+class ChannelClient:
+    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+        self._conn = Client(address, authkey=authkey)
+        _no_delay(self._conn)
+
+    def send(self, method: str, *args: Any) -> None:
+        self._conn.send((method, args))
+
+    def send_pickled(self, message: bytes) -> None:
+        """A message made once by `pickle_call` and sent to several servers."""
+        self._conn.send_bytes(message)
+
+    def recv(self) -> Any:
+        """The reply to the oldest unanswered call; re-raises its exception."""
+        ok, value = self._conn.recv()
+        if not ok:
+            raise value
+        return value
+
+    def call(self, method: str, *args: Any) -> Any:
+        self.send(method, *args)
+        return self.recv()
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def pickle_call(method: str, *args: Any) -> bytes:
+    return pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,0 +1,106 @@
+"""Data-parallel routing through the real engine core: two DP ranks, each
+with its own scheduler, block pool and model runner (in-process executors,
+so the routing logic is tested without Ray; the Ray path runs the same
+`EngineCore` inside the SchedulerActor)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from rayvllm.core.kv_cache_utils import hash_request_tokens
+from rayvllm.engine.engine_core import EngineCore
+from rayvllm.engine_args import EngineArgs
+from rayvllm.executor.uniproc import UniProcExecutor
+from rayvllm.request import EngineCoreRequest
+from rayvllm.sampling_params import SamplingParams
+
+BLOCK = 16
+
+
+@pytest.fixture()
+def core(tiny_model_dir: Path) -> EngineCore:
+    # 20 blocks per rank (19 usable): two 150-token requests on one rank
+    # recycle every free block, evicting what was cached before.
+    config = EngineArgs(
+        model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, num_gpu_blocks_override=20,
+        max_num_batched_tokens=512,
+    ).create_engine_config()
+    return EngineCore(config, executors=[UniProcExecutor(config), UniProcExecutor(config)])
+
+
+_rng = random.Random(3)
+PREFIX = [_rng.randrange(5, 4000) for _ in range(4 * BLOCK)]
+
+
+def _request(req_id: str, tokens: list[int], max_tokens: int = 2) -> EngineCoreRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return EngineCoreRequest(req_id, tokens, params, eos_token_id=None)
+
+
+def _fresh(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 4000) for _ in range(n)]
+
+
+def _run_to_completion(core: EngineCore) -> None:
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def test_shared_prefix_goes_to_the_rank_that_holds_it(core: EngineCore) -> None:
+    core.add_request(_request("a", PREFIX + [7, 8, 9]))
+    assert core.request_rank["a"] == 0  # idle ranks tie; the lower rank wins
+    _run_to_completion(core)
+    assert core.prefix_index is not None
+    assert core.prefix_index.longest_prefix_hits(hash_request_tokens(BLOCK, PREFIX)) == [4, 0]
+
+    # Rank 0 now has queued work, yet the request sharing its prefix goes there.
+    core.add_request(_request("busy", _fresh(100, seed=1)))
+    assert core.request_rank["busy"] == 0
+    core.add_request(_request("b", PREFIX + [10, 11]))
+    assert core.request_rank["b"] == 0
+    # A request with no hit anywhere goes to the less loaded rank.
+    core.add_request(_request("c", _fresh(40, seed=2)))
+    assert core.request_rank["c"] == 1
+
+    hits: dict[str, int] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            hits.setdefault(out.request_id, out.num_cached_tokens)
+    assert hits["b"] == 4 * BLOCK
+
+
+def test_index_forgets_blocks_the_rank_evicted(core: EngineCore) -> None:
+    prefix_hashes = hash_request_tokens(BLOCK, PREFIX)
+    core.add_request(_request("a", PREFIX + [7]))
+    _run_to_completion(core)
+    assert core.prefix_index.longest_prefix_hits(prefix_hashes) == [4, 0]
+
+    # Two long requests, one after the other, land on idle rank 0 and take
+    # every block of its pool, evicting the cached prefix.
+    for i in range(2):
+        core.add_request(_request(f"long{i}", _fresh(150, seed=10 + i)))
+        assert core.request_rank[f"long{i}"] == 0
+        _run_to_completion(core)
+    assert core.prefix_index.longest_prefix_hits(prefix_hashes) == [0, 0]
+    assert not any(core.schedulers[0].kv_cache_manager.block_pool.get_cached_block(h) for h in prefix_hashes)
+
+    # With the prefix gone, load decides: rank 0 is busy, so rank 1.
+    core.add_request(_request("busy", _fresh(100, seed=20)))
+    core.add_request(_request("b", PREFIX + [8]))
+    assert core.request_rank["b"] == 1
+
+
+def test_n_children_share_one_rank(core: EngineCore) -> None:
+    core.add_request(_request("busy", _fresh(100, seed=30)))
+    children = [
+        EngineCoreRequest(f"{i}_p", PREFIX, SamplingParams(temperature=0.0, max_tokens=2), None, parent_request_id="p")
+        for i in range(3)
+    ]
+    core.add_requests(children)
+    assert {core.request_rank[c.request_id] for c in children} == {1}
+    _run_to_completion(core)
+    assert core.request_rank == {}
