@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq

@@ -20,6 +20,7 @@ from rayvllm.config import EngineConfig, ParallelConfig
 from rayvllm.core.sched.scheduler import SchedulerStats
 from rayvllm.distributed.rpc_channel import ChannelClient
 from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.errors import EngineDeadError
 from rayvllm.request import EngineCoreRequest
 
 
@@ -69,7 +70,10 @@ class RayEngineCoreClient:
     def step(self) -> list[EngineCoreOutput]:
         new, aborts = self._new, self._aborts
         self._new, self._aborts = [], []
-        return self.channel.call("step", new, aborts)
+        try:
+            return self.channel.call("step", new, aborts)
+        except (EOFError, OSError) as e:
+            raise EngineDeadError(f"the scheduler actor is gone: {e!r}") from e
 
     def make_stats(self) -> SchedulerStats:
         return self.channel.call("make_stats")

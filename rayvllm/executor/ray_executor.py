@@ -23,7 +23,7 @@ from rayvllm.actors.worker_actor import WorkerActor
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.rpc_channel import ChannelClient, pickle_call
-from rayvllm.errors import DistributedInitError
+from rayvllm.errors import DistributedInitError, EngineDeadError
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.placement import (
     RankPlacement,
@@ -35,16 +35,23 @@ from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 class _PendingStep:
-    def __init__(self, channels: list[ChannelClient], driver: int) -> None:
-        self.channels = channels
-        self.driver = driver
+    def __init__(self, executor: "RayExecutor") -> None:
+        self.executor = executor
 
     def result(self) -> ModelRunnerOutput:
         # Every rank replies (non-drivers with an empty output), in step
         # order; reading them all keeps the channels aligned and surfaces a
         # failure on any rank.
-        outputs = [c.recv() for c in self.channels]
-        return outputs[self.driver]
+        ex = self.executor
+        outputs = []
+        for rank, channel in enumerate(ex.channels):
+            try:
+                outputs.append(channel.recv())
+            except (EOFError, OSError) as e:
+                raise EngineDeadError(
+                    f"worker rank {rank} of DP rank {ex.dp_rank} ({ex._where(rank)}) is gone: {e!r}"
+                ) from e
+        return outputs[ex.driver_rank]
 
 
 class RayExecutor(Executor):
@@ -148,7 +155,7 @@ class RayExecutor(Executor):
             message = pickle_call("execute_model", scheduler_output)  # serialised once for all ranks
             for channel in self.channels:
                 channel.send_pickled(message)
-        return _PendingStep(self.channels, self.driver_rank)
+        return _PendingStep(self)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
