@@ -7,8 +7,10 @@ and two worker nodes with 2 CPUs each.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +19,11 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import PlacementGroup, placement_group_table  # noqa: E402
 
-from rayvllm.config import ParallelConfig  # noqa: E402
-from rayvllm.errors import PlacementError  # noqa: E402
+from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.config import EngineConfig, ParallelConfig  # noqa: E402
+from rayvllm.engine_args import EngineArgs  # noqa: E402
+from rayvllm.errors import DistributedInitError, PlacementError  # noqa: E402
+from rayvllm.executor.ray_executor import RayExecutor  # noqa: E402
 from rayvllm.executor.placement import (  # noqa: E402
     RankPlacement,
     assign_ranks,
@@ -158,3 +163,122 @@ def test_unplaceable_group_times_out_naming_resources(
     for node_id in worker_nodes:
         assert f"node {node_id} (" in str(info.value)
     _assert_gone("unplaceable")
+
+
+# ---- a real worker group (RayExecutor, then the full engine) over the cluster ----------
+
+# Small enough to start fast on a 2-core machine; the group takes all 4 CPUs of
+# the two worker nodes, so only one group can exist at a time.
+_ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=16 << 20)
+
+
+def _tp2_pp2_config(model_dir: Path, **overrides: float) -> EngineConfig:
+    return EngineArgs(
+        model=str(model_dir),
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        placement_group_timeout_s=60,
+        **_ENGINE,
+        **overrides,
+    ).create_engine_config()
+
+
+def _group_name(pg: PlacementGroup) -> str:
+    return placement_group_table(pg)["name"]
+
+
+def _live_engine_groups() -> dict[str, dict]:
+    """Engine placement groups (named rayvllm-dp*) not yet removed."""
+    return {
+        info["name"]: info
+        for info in placement_group_table().values()
+        if info["name"].startswith("rayvllm-dp") and info["state"] != "REMOVED"
+    }
+
+
+def test_tp2_pp2_workers_keep_tp_on_a_node_and_cross_nodes_between_stages(
+    worker_nodes: list[str], tiny_model_dir: Path
+) -> None:
+    ex = RayExecutor(_tp2_pp2_config(tiny_model_dir))
+    name = None
+    try:
+        ex.start_workers()
+        name = _group_name(ex.pg)
+        ex.init_distributed()  # includes the TP all-reduce / PP send-recv preflight
+        assert ex.load_model() > 0
+        reported = ray.get([w.node.remote() for w in ex.workers], timeout=60)
+    finally:
+        ex.shutdown()
+    assert name is not None
+    _assert_gone(name)
+    nodes = [node_id for node_id, _ in reported]
+    # Ranks 0,1 (stage 0) and 2,3 (stage 1) are TP groups; two 2-CPU nodes
+    # for four 1-CPU ranks force the stages onto different nodes.
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3]
+    assert nodes[0] != nodes[2]
+    assert set(nodes) == set(worker_nodes)
+    # Where the actors really run is where the placement said they would.
+    assert reported == [(p.node_id, p.node_ip) for p in ex.placements]
+
+
+def test_tp2_pp2_engine_over_cluster_matches_single_process(
+    worker_nodes: list[str], tiny_model_dir: Path
+) -> None:
+    prompts = [[1, 17, 230, 4000, 9, 52], [1, 3000, 12, 7, 7, 7, 801, 66, 5, 1234, 99]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    single = LLM(str(tiny_model_dir), **_ENGINE)  # world size 1: in-process, no Ray
+    try:
+        expected = greedy(single)
+    finally:
+        single.shutdown()
+
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, pipeline_parallel_size=2, **_ENGINE)
+    try:
+        groups = _live_engine_groups()
+        assert len(groups) == 1
+        (info,) = groups.values()
+        bundle_nodes = list(info["bundles_to_node_id"].values())
+        assert sorted(bundle_nodes) == sorted(worker_nodes * 2)  # two ranks on each worker node
+        got = greedy(llm)
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert all(len(tokens) == 8 for tokens in got)
+    deadline = time.monotonic() + 5.0
+    while _live_engine_groups() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live_engine_groups() == {}
+
+
+def test_preflight_names_the_rank_that_did_not_answer(worker_nodes: list[str], tiny_model_dir: Path) -> None:
+    ex = RayExecutor(_tp2_pp2_config(tiny_model_dir, distributed_timeout_s=5))
+    name = None
+    try:
+        ex.start_workers()
+        name = _group_name(ex.pg)
+        # Let every rank come up first, so the 5 s budget is spent on forming
+        # the group, not on importing torch on a busy machine.
+        ray.get([w.node.remote() for w in ex.workers], timeout=120)
+        ray.kill(ex.workers[1])
+        start = time.monotonic()
+        with pytest.raises(DistributedInitError) as info:
+            ex.init_distributed()
+        elapsed = time.monotonic() - start
+    finally:
+        ex.shutdown()
+    assert name is not None
+    _assert_gone(name)
+    message = str(info.value)
+    assert "did not answer: " in message, message
+    silent = message.split("did not answer: ", 1)[1].split(". raised: ", 1)[0]
+    # Only rank 1 is blamed as silent, with its node; the live ranks are not.
+    assert re.findall(r"\brank (\d+) \(", silent) == ["1"], message
+    p1 = ex.placements[1]
+    assert f"rank 1 (node {p1.node_ip} id {p1.node_id[:12]}" in silent, message
+    # Bounded by distributed_timeout_s (plus the executor's fixed slack), never a hang.
+    assert elapsed < 5 + 15 + 10, elapsed
