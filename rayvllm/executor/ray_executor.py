@@ -92,11 +92,13 @@ class RayExecutor(Executor):
     def init_distributed(self) -> None:
         """Form the process group and run the preflight; on failure, name
         the ranks that did not answer (dead or silent) and their nodes."""
-        timeout = self.config.parallel_config.distributed_timeout_s
+        pc = self.config.parallel_config
+        timeout = pc.distributed_timeout_s
+        # Starting the actor processes (imports included) is bounded like placement.
+        self._on_all("actor start", [w.node.remote() for w in self.workers], pc.placement_group_timeout_s)
         if self.world_size == 1:
-            self._on_all("ready", [w.node.remote() for w in self.workers], timeout)
             return
-        port = self._on_all("start", [self.workers[0].free_port.remote()], timeout)[0]
+        port = self._on_all("actor start", [self.workers[0].free_port.remote()], timeout)[0]
         addr = self.placements[0].node_ip
         refs = [w.call.remote("init_distributed", addr, port, timeout) for w in self.workers]
         self._on_all("process group init", refs, timeout + 15)
