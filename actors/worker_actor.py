@@ -8,8 +8,6 @@ import ray
 
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import ChannelServer
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.worker.outputs import ModelRunnerOutput
 from rayvllm.worker.worker import Worker, free_port
 
 
@@ -32,10 +30,6 @@ class WorkerActor:
     def call(self, method: str, *args: Any) -> Any:
         """Setup and teardown calls (`init_distributed`, `preflight`, `load_model`, ...)."""
         return getattr(self.worker, method)(*args)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step through Ray (the channel is the fast path)."""
-        return self.worker.execute_model(scheduler_output)
 
     def open_channel(self) -> tuple[tuple[str, int], bytes]:
         """Serve the worker's methods on a direct channel; returns its

@@ -11,29 +11,14 @@ from rayvllm.core.dp_router import DPRouter, RankLoad
 from rayvllm.core.kv_cache_manager import KVCacheManager
 from rayvllm.core.kv_cache_utils import BlockHash, hash_request_tokens, request_extra_keys
 from rayvllm.core.prefix_index import PrefixIndex
-from rayvllm.request import EngineCoreRequest, Request
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.request import Request
+
+from test_kv_cache_manager import make_request
 
 BS = 4
+
 # A long shared prefix: 8 full blocks.
 PREFIX = list(range(100, 132))
-
-
-def make_request(
-    request_id: str,
-    token_ids: list[int],
-    cache_salt: str | None = None,
-    prompt_logprobs: int | None = None,
-) -> Request:
-    return Request(
-        EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=SamplingParams(max_tokens=16, prompt_logprobs=prompt_logprobs),
-            eos_token_id=None,
-            cache_salt=cache_salt,
-        )
-    )
 
 
 def prefill(m: KVCacheManager, req: Request) -> list[int]:
