@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.outputs import RequestOutputKind  # noqa: E402
 from rayvllm.models.random_model import RandomModelSpec, build_random_model  # noqa: E402
 
 from hf_oracle import NUM_NEW, hf_greedy  # noqa: E402
@@ -114,6 +115,41 @@ def test_ray_backend_with_one_worker(ray_local: None, models: dict[str, Path]) -
 
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
         assert _greedy(llm, _prompts()) == _single_process(model_dir)
+    finally:
+        llm.shutdown()
+
+
+def test_ray_client_pipelined_steps_lose_nothing(ray_local: None, models: dict[str, Path]) -> None:
+    """The client keeps one step in flight: stats calls between steps, an
+    abort mid-run and an idle step after the end must not drop or duplicate a
+    token, and the aborted request's blocks must come back."""
+    model_dir = models["llama-gqa"]
+    prompts = _prompts()
+    llm = LLM(str(model_dir), distributed_executor_backend="ray", **ENGINE)
+    try:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params, output_kind=RequestOutputKind.DELTA)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        steps = 0
+        while engine.has_unfinished_requests():
+            assert steps < 500, "a lost output left a request unfinished"
+            for out in engine.step():
+                tokens[out.request_id] += out.outputs[0].token_ids
+            steps += 1
+            if steps == 6:
+                engine.abort_request(["3"])
+            assert engine.engine_core.make_stats().num_running_reqs >= 0
+        assert engine.step() == []  # the step left in flight at the end
+        stats = engine.engine_core.make_stats()
+        assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+        expected = _single_process(model_dir)
+        for i in range(len(prompts)):
+            if i == 3:
+                assert 0 < len(tokens["3"]) < NUM_NEW and tokens["3"] == expected[3][: len(tokens["3"])]
+            else:
+                assert tokens[str(i)] == expected[i]
     finally:
         llm.shutdown()
 
