@@ -63,8 +63,7 @@ class SchedulerActor:
 
     def check_health(self) -> None:
         assert self.core is not None
-        for executor in self.core.executors:
-            executor.check_health()
+        self.core.check_health()
 
     def shutdown(self) -> None:
         if self.channel is not None:

@@ -39,6 +39,11 @@ class PromptTooLongError(InvalidParameterError):
         self.max_model_len = max_model_len
 
 
+class AuthenticationError(RayvllmError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
 class ModelNotFoundError(RayvllmError):
     status_code = 404
     error_type = "not_found_error"

@@ -205,9 +205,11 @@ class _RequestGroup:
             )
         seqs = [s.metrics for s in self.sequences.values()]
         firsts = [m.first_token_time for m in seqs if m.first_token_time is not None]
+        scheduled = [m.first_scheduled_time for m in seqs if m.first_scheduled_time is not None]
         lasts = [m.last_token_time for m in seqs if m.last_token_time is not None]
         return RequestMetrics(
             arrival_time=self.arrival_time,
+            first_scheduled_time=min(scheduled) if scheduled else None,
             first_token_time=min(firsts) if firsts else None,
             last_token_time=max(lasts) if lasts else None,
             finished_time=self.finished_time,
@@ -367,6 +369,8 @@ class OutputProcessor:
             group = state.group
             new_ids = out.new_token_ids
             metrics = state.metrics
+            if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = out.first_scheduled_time
             if new_ids:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now

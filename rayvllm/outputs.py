@@ -84,8 +84,9 @@ class RequestMetrics:
     """Wall-clock timestamps (`time.time()` seconds) of one request.
 
     Invariant: arrival_time <= first_token_time <= last_token_time <=
-    finished_time whenever they are set. `first_scheduled_time` is filled by
-    an engine that knows it; the output processor alone never sees scheduling.
+    finished_time whenever they are set. `first_scheduled_time` is when the
+    scheduler first ran the request (the engine core reports it with the
+    first token), so queue time = first_scheduled_time - arrival_time.
     """
 
     arrival_time: float

@@ -84,6 +84,7 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
+        self.first_scheduled_time: float | None = None  # time.time(), for the queue-time metric
         self.num_preemptions = 0
         # Scheduler bookkeeping for parallel groups: output tokens already
         # sent to the non-sampling ranks, and scheduled steps not yet returned.

@@ -26,6 +26,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Set on a request's first token only: when the scheduler first ran it.
+    first_scheduled_time: float | None = None
 
     def __reduce__(self) -> tuple[type["EngineCoreOutput"], tuple[object, ...]]:
         # A step's outputs cross a process boundary on the Ray path; default
@@ -39,6 +41,7 @@ class EngineCoreOutput:
             self.finish_reason,
             self.stop_reason,
             self.num_cached_tokens,
+            self.first_scheduled_time,
         )
         end = len(args)
         while end > 2 and args[end - 1] == _DEFAULTS[end - 1]:
@@ -50,4 +53,4 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-_DEFAULTS: tuple[object, ...] = (None, None, None, None, None, None, 0)
+_DEFAULTS: tuple[object, ...] = (None, None, None, None, None, None, 0, None)

@@ -128,6 +128,11 @@ class EngineCore:
             return stats[0]
         return SchedulerStats.combine(stats)
 
+    def check_health(self) -> None:
+        """Raise if any worker of any DP rank is dead."""
+        for executor in self.executors:
+            executor.check_health()
+
     def shutdown(self) -> None:
         for executor in self.executors:
             executor.shutdown()

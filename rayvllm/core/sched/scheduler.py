@@ -9,6 +9,7 @@ recompute). Prefix-cache hits simply start a request with computed tokens.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -211,6 +212,7 @@ class Scheduler:
                 self.waiting.pop()
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
+                    request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_hit + num_new
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -306,6 +308,7 @@ class Scheduler:
                 new_logprobs=logprobs.slice(i, i + 1) if logprobs is not None else None,
                 new_prompt_logprobs=prompt_logprobs.get(req_id),
                 num_cached_tokens=request.num_cached_tokens,
+                first_scheduled_time=request.first_scheduled_time if request.num_output_tokens == 1 else None,
             )
             if status is not None:
                 request.stop_reason = stop_reason

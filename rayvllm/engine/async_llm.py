@@ -1,0 +1,279 @@
+"""The asyncio engine loop for serving: Processor -> EngineCore -> OutputProcessor.
+
+`AsyncLLM.generate` is an async generator of DELTA `RequestOutput`s; many
+run at once and one background task steps the engine for all of them.
+
+Threading invariant: the Processor, the OutputProcessor and the per-request
+queues are touched only on the event loop; the engine core only inside
+`_step_core`, which runs on one dedicated thread, so a blocking step (a
+forward, or a channel round trip to the SchedulerActor) never stalls the
+HTTP server, and new requests and aborts reach the core between steps, never
+during one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rayvllm.config import EngineConfig
+from rayvllm.core.sched.scheduler import SchedulerStats
+from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine.llm_engine import make_engine_core
+from rayvllm.engine_args import EngineArgs
+from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError
+from rayvllm.metrics import EngineMetrics
+from rayvllm.output_processor import OutputProcessor
+from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.processor import Processor, PromptType
+from rayvllm.request import EngineCoreRequest
+from rayvllm.sampling_params import SamplingParams
+from rayvllm.tokenizer import get_tokenizer
+
+if TYPE_CHECKING:
+    from rayvllm.engine.engine_core import EngineCore
+    from rayvllm.engine.ray_core_client import RayEngineCoreClient
+
+# A step that has not returned after this long means the engine is wedged
+# (a forward on this box takes milliseconds; a cold prefill seconds).
+STEP_STALL_S = 60.0
+# Scheduler stats cost a round trip on the Ray path; gauges need no more.
+STATS_INTERVAL_S = 1.0
+
+
+@dataclass
+class _CoreWork:
+    """What the loop hands the core for one step (applied before it)."""
+
+    new: list[list[EngineCoreRequest]]
+    aborts: list[str]
+    want_stats: bool
+
+
+class AsyncLLM:
+    """Serving front of the engine. `max_pending_requests` bounds user
+    requests admitted but unfinished (None: no bound); beyond it `generate`
+    raises `EngineOverloadedError` (HTTP 503)."""
+
+    def __init__(self, config: EngineConfig, max_pending_requests: int | None = None) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.served_model_name = config.model_config.served_model_name or config.model_config.model
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
+        self.processor = Processor(config.model_config, self.tokenizer, max_logprobs=config.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
+        self.max_pending_requests = max_pending_requests
+        self.engine_core: EngineCore | RayEngineCoreClient = make_engine_core(config)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._new: list[list[EngineCoreRequest]] = []
+        self._aborts: list[str] = []
+        self._started: set[str] = set()  # user requests whose prompt tokens were counted
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._step_started: float | None = None
+        self._last_stats = 0.0
+        self.dead_error: BaseException | None = None
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_pending_requests: int | None = None) -> "AsyncLLM":
+        return cls(args.create_engine_config(), max_pending_requests=max_pending_requests)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    # ---- requests -----------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        add_special_tokens: bool = True,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs (DELTA by default; FINAL_ONLY yields
+        the finished output alone) until it finishes.
+
+        Invalid input raises before the first yield. Leaving the generator
+        early (`aclose`, cancellation, a dropped client) aborts the request,
+        which frees its KV blocks at the next step.
+        """
+        self._ensure_running()
+        if request_id in self._queues:
+            raise InvalidParameterError("request_id", f"request {request_id!r} is already running")
+        if self.max_pending_requests is not None and len(self._queues) >= self.max_pending_requests:
+            raise EngineOverloadedError(
+                f"{len(self._queues)} requests are already pending (max_pending_requests="
+                f"{self.max_pending_requests}); retry later"
+            )
+        core_reqs, prompt_text = self.processor.process_with_fanout(
+            request_id, prompt, params, priority=priority, add_special_tokens=add_special_tokens
+        )
+        n = len(core_reqs)
+        for index, core_req in enumerate(core_reqs):
+            self.output_processor.add_request(
+                core_req,
+                prompt_text,
+                parent_id=request_id if n > 1 else None,
+                index=index,
+                n=n,
+                output_kind=output_kind,
+            )
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._new.append(core_reqs)
+        self._wake()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine is gone; nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request; its stream ends with finish_reason "abort"."""
+        self._abort_now(request_id, notify=True)
+
+    def _abort_now(self, request_id: str, notify: bool = False) -> None:
+        ids = self.output_processor.child_request_ids([request_id])
+        if not ids:
+            return
+        for out in self.output_processor.abort_requests(ids):
+            self._deliver(out, notify)
+        self._aborts += ids
+        self._wake()
+
+    # ---- the loop -----------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead_error!r}")
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        if self._loop_task is None:
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="rayvllm-engine-loop")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _has_work(self) -> bool:
+        return bool(self._new or self._aborts or self.output_processor.has_unfinished_requests())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        try:
+            while True:
+                if not self._has_work():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                now = time.monotonic()
+                work = _CoreWork(self._new, self._aborts, now - self._last_stats >= STATS_INTERVAL_S)
+                self._new, self._aborts = [], []
+                if work.want_stats:
+                    self._last_stats = now
+                self._step_started = now
+                core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, work)
+                self._step_started = None
+                self._process(core_outputs)
+                if stats is not None:
+                    self.metrics.record_scheduler_stats(stats)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
+            self.dead_error = e
+            dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine loop failed: {e!r}")
+            for queue in self._queues.values():
+                queue.put_nowait(dead)
+
+    def _step_core(self, work: _CoreWork) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
+        core = self.engine_core
+        if work.aborts:
+            core.abort_requests(work.aborts)
+        for group in work.new:
+            core.add_requests(group)
+        outputs = core.step()
+        return outputs, core.make_stats() if work.want_stats else None
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> None:
+        result = self.output_processor.process_outputs(core_outputs)
+        if result.reqs_to_abort:
+            self._aborts += result.reqs_to_abort
+        prompt_tokens = generation_tokens = 0
+        for out in result.request_outputs:
+            generation_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if out.request_id not in self._started:
+                self._started.add(out.request_id)
+                prompt_tokens += len(out.prompt_token_ids)
+            self._deliver(out, notify=True)
+        self.metrics.record_tokens(prompt_tokens, generation_tokens)
+
+    def _deliver(self, out: RequestOutput, notify: bool) -> None:
+        if out.finished:
+            self._started.discard(out.request_id)
+            self.metrics.record_finished(out)
+        queue = self._queues.get(out.request_id)
+        if notify and queue is not None:
+            queue.put_nowait(out)
+
+    # ---- health and lifecycle -----------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Raise `EngineDeadError` unless the loop is alive and not stalled
+        in a step, and every worker answers."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead_error!r}")
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        if self._loop_task is not None and self._loop_task.done():
+            raise EngineDeadError("the engine loop exited")
+        started = self._step_started
+        if started is not None and time.monotonic() - started > STEP_STALL_S:
+            raise EngineDeadError(f"an engine step has run for over {STEP_STALL_S:.0f} s")
+        try:
+            await asyncio.to_thread(self.engine_core.check_health)
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a dead actor surfaces as many Ray error types
+            raise EngineDeadError(f"a worker failed its health check: {e!r}") from e
+
+    async def refresh_stats(self) -> None:
+        """Fresh gauges (running, waiting, KV usage) for a scrape, even while
+        idle; queued on the step thread, so it never runs inside a step."""
+        if self.dead_error is not None or self._closed:
+            return
+        stats = await asyncio.get_running_loop().run_in_executor(self._thread, self.engine_core.make_stats)
+        self.metrics.record_scheduler_stats(stats)
+
+    def num_pending_requests(self) -> int:
+        return len(self._queues)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        # The step thread may be inside the core; shut the core down after it.
+        self._thread.submit(self.engine_core.shutdown).result()
+        self._thread.shutdown(wait=True)

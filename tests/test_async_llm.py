@@ -1,0 +1,148 @@
+"""The asyncio engine loop (`AsyncLLM`) over the in-process core: concurrent
+streams equal the offline engine, early exits abort and free KV blocks,
+admission and failures surface as the documented errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from rayvllm import LLM, SamplingParams
+from rayvllm.engine.async_llm import AsyncLLM
+from rayvllm.engine_args import EngineArgs
+from rayvllm.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
+from rayvllm.outputs import RequestOutput, RequestOutputKind
+
+ENGINE = dict(max_num_seqs=8, max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=64)
+PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 7, 12)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+T = TypeVar("T")
+
+
+def _run(model_dir: Path, body: Callable[[AsyncLLM], Awaitable[T]], **kwargs: Any) -> T:
+    async def main() -> T:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), **ENGINE), **kwargs)
+        try:
+            return await body(engine)
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
+async def _collect(engine: AsyncLLM, prompt: list[int], request_id: str, params: SamplingParams = GREEDY) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id):
+        tokens += out.outputs[0].token_ids
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir: Path) -> list[list[int]]:
+    llm = LLM(model=str(tiny_model_dir), **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_concurrent_streams_equal_offline(tiny_model_dir: Path, offline: list[list[int]]) -> None:
+    async def body(engine: AsyncLLM) -> list[list[int]]:
+        return list(await asyncio.gather(*(_collect(engine, p, f"r{i}") for i, p in enumerate(PROMPTS))))
+
+    assert _run(tiny_model_dir, body) == offline
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(tiny_model_dir: Path, offline: list[list[int]]) -> None:
+    async def body(engine: AsyncLLM) -> tuple[list[int], list[int], Any]:
+        long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        stream = engine.generate({"prompt_token_ids": PROMPTS[3]}, long, "leaver")
+        first = await anext(stream)
+        await stream.aclose()  # what a dropped HTTP client does
+        # The abort reaches the core with the next step, which this request runs.
+        other = await _collect(engine, PROMPTS[0], "stayer")
+        stats = engine.engine_core.make_stats()
+        return first.outputs[0].token_ids, other, stats
+
+    first, other, stats = _run(tiny_model_dir, body)
+    assert first == offline[3][: len(first)] and other == offline[0]
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_abort_ends_the_stream_with_abort(tiny_model_dir: Path) -> None:
+    async def body(engine: AsyncLLM) -> list[RequestOutput]:
+        long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        outs = []
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[1]}, long, "victim"):
+            outs.append(out)
+            if len(outs) == 2:
+                await engine.abort("victim")
+        return outs
+
+    outs = _run(tiny_model_dir, body)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) < 150
+
+
+def test_validation_errors_raise_before_the_first_output(tiny_model_dir: Path) -> None:
+    async def body(engine: AsyncLLM) -> None:
+        with pytest.raises(PromptTooLongError):
+            await anext(engine.generate({"prompt_token_ids": [5] * 300}, GREEDY, "too-long"))
+        assert engine.num_pending_requests() == 0
+
+    _run(tiny_model_dir, body)
+
+
+def test_overload_is_refused(tiny_model_dir: Path) -> None:
+    async def body(engine: AsyncLLM) -> list[int]:
+        first = engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "a")
+        tokens = (await anext(first)).outputs[0].token_ids
+        with pytest.raises(EngineOverloadedError):
+            await anext(engine.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, "b"))
+        async for out in first:
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    assert len(_run(tiny_model_dir, body, max_pending_requests=1)) == 12
+
+
+def test_n_and_final_only(tiny_model_dir: Path) -> None:
+    async def body(engine: AsyncLLM) -> tuple[list[RequestOutput], dict[int, list[int]]]:
+        params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=6, ignore_eos=True)
+        finals = [
+            o async for o in engine.generate(
+                {"prompt_token_ids": PROMPTS[0]}, params, "final", output_kind=RequestOutputKind.FINAL_ONLY
+            )
+        ]
+        deltas: dict[int, list[int]] = {0: [], 1: []}
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, params, "delta"):
+            for c in out.outputs:
+                deltas[c.index] += c.token_ids
+        return finals, deltas
+
+    finals, deltas = _run(tiny_model_dir, body)
+    assert len(finals) == 1 and finals[0].finished
+    assert {c.index: c.token_ids for c in finals[0].outputs} == deltas  # same seed, same tokens
+    assert all(len(t) == 6 for t in deltas.values())
+
+
+def test_a_failing_step_fails_every_stream_and_health(tiny_model_dir: Path) -> None:
+    async def body(engine: AsyncLLM) -> None:
+        await engine.check_health()
+
+        def broken() -> None:
+            raise RuntimeError("worker exploded")
+
+        engine.engine_core.step = broken  # type: ignore[method-assign]
+        with pytest.raises(EngineDeadError, match="worker exploded"):
+            await _collect(engine, PROMPTS[0], "doomed")
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+        with pytest.raises(EngineDeadError):
+            await anext(engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "after"))
+
+    _run(tiny_model_dir, body)
