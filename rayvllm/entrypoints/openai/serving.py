@@ -1,0 +1,500 @@
+"""The OpenAI-compatible endpoints, free of any HTTP framework and of Ray.
+
+`OpenAIServing` turns protocol requests into engine calls and the engine's
+DELTA `RequestOutput` streams into OpenAI responses: a whole response, or
+server-sent events. The HTTP app only parses bodies, calls these methods
+and maps exceptions with `protocol.error_body`.
+
+Two guarantees the HTTP layer relies on:
+  * every client error (unknown model, bad parameter, prompt too long) is
+    raised by `create_*` itself, before a stream is returned, so it can
+    still become a 4xx status instead of an event inside a 200;
+  * every engine stream is closed once its output is no longer wanted (the
+    response is complete, an error happened, the coroutine was cancelled, or
+    the returned event stream was closed), which is what makes the engine
+    abort the request and free its KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, cast
+
+from rayvllm.entrypoints.openai.logprobs import LogprobFormatter, padded, prompt_logprobs_field
+from rayvllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+)
+from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, sse, sse_error
+from rayvllm.errors import InvalidParameterError, ModelNotFoundError
+from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
+from rayvllm.processor import Processor, PromptType, TokensPrompt
+from rayvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["EngineClient", "EventStream", "OpenAIServing"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    """What `OpenAIServing` needs from an engine (async engine or Serve handle shim).
+
+    `generate` yields DELTA outputs: each carries, for the sequences touched
+    in that step, only what is new; `finished` is True on the last one.
+    Invalid input raises a `RayvllmError` at the first `__anext__`; closing
+    the iterator before it is exhausted aborts the request.
+    """
+
+    processor: Processor
+    tokenizer: "PreTrainedTokenizerBase"
+
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+
+# ---- bookkeeping -------------------------------------------------------------------
+
+
+@dataclass
+class _PromptState:
+    token_ids: list[int]
+    text: str | None
+    # Accumulated over DELTA outputs (the engine may send them in chunks).
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+
+
+@dataclass
+class _ChoiceState:
+    """One choice; text/token ids/logprobs are kept only for whole responses."""
+
+    index: int
+    prompt_index: int
+    num_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_len: int = 0  # characters already streamed (completions text_offset)
+    echoed: bool = False
+
+
+class _Tally:
+    """Folds the DELTA outputs of one API request into per-prompt and
+    per-choice state. Choice index = prompt_index * n + sequence index."""
+
+    def __init__(self, num_prompts: int, n: int, keep_outputs: bool) -> None:
+        self.n = n
+        self.keep_outputs = keep_outputs
+        self.prompts: list[_PromptState | None] = [None] * num_prompts
+        self.choices: dict[int, _ChoiceState] = {}
+
+    def prompt(self, index: int) -> _PromptState:
+        # A stream that ended without any output (a broken engine) reads as empty.
+        return self.prompts[index] or _PromptState([], None)
+
+    def choice(self, index: int) -> _ChoiceState:
+        state = self.choices.get(index)
+        if state is None:
+            state = self.choices[index] = _ChoiceState(index, index // self.n)
+        return state
+
+    def absorb(self, prompt_index: int, out: RequestOutput) -> list[tuple[_ChoiceState, CompletionOutput]]:
+        """Record `out`; return the choices it touched with their deltas."""
+        prompt = self.prompts[prompt_index]
+        if prompt is None:
+            prompt = self.prompts[prompt_index] = _PromptState(list(out.prompt_token_ids), out.prompt)
+        if out.prompt_logprobs:
+            prompt.logprobs.extend(out.prompt_logprobs)
+        touched: list[tuple[_ChoiceState, CompletionOutput]] = []
+        for delta in out.outputs:
+            choice = self.choice(prompt_index * self.n + delta.index)
+            choice.num_tokens += len(delta.token_ids)
+            if self.keep_outputs:
+                choice.text.append(delta.text)
+                choice.token_ids.extend(delta.token_ids)
+                if delta.logprobs:
+                    choice.logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason
+                choice.stop_reason = delta.stop_reason
+            touched.append((choice, delta))
+        return touched
+
+    def usage(self) -> UsageInfo:
+        # Counted once per prompt, however many choices share it.
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts if p is not None)
+        completion_tokens = sum(c.num_tokens for c in self.choices.values())
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+@contextlib.contextmanager
+def _named_for(req: CompletionRequest | ChatCompletionRequest) -> Iterator[None]:
+    """Re-raise engine/processor parameter errors under the request's field names."""
+    try:
+        yield
+    except InvalidParameterError as e:
+        renamed = req.translate_error(e)
+        if renamed is e:
+            raise
+        raise renamed from e
+
+
+def _response_id(prefix: str, request_id: str) -> str:
+    return request_id if request_id.startswith(prefix) else f"{prefix}{request_id}"
+
+
+def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidParameterError("prompt", "must not be empty")
+    # pydantic has already made the list homogeneous; its first item tells which form it is.
+    first = prompt[0]
+    if isinstance(first, int):
+        return [TokensPrompt(prompt_token_ids=list(cast(list[int], prompt)))]
+    if isinstance(first, str):
+        return list(cast(list[str], prompt))
+    return [TokensPrompt(prompt_token_ids=list(ids)) for ids in cast(list[list[int]], prompt)]
+
+
+# ---- the endpoints -------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """The logic behind /v1/completions, /v1/chat/completions, /v1/models,
+    /tokenize and /detokenize for one engine serving one model.
+
+    `served_model_names[0]` is the name used when a request names no model.
+    """
+
+    def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int) -> None:
+        if not served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.max_model_len = max_model_len
+        self._logprobs = LogprobFormatter(engine.tokenizer)
+        self._created = int(time.time())
+
+    # ---- helpers -----------------------------------------------------------------
+
+    def _model_name(self, requested: str | None) -> str:
+        if not requested:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise ModelNotFoundError(f"The model `{requested}` does not exist.")
+        return requested
+
+    def _prompt_text(self, prompt: _PromptState) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return str(self.engine.tokenizer.decode(prompt.token_ids))
+
+    async def _start(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: Sequence[PromptType],
+        params: SamplingParams,
+        request_id: str,
+    ) -> EngineStreams:
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        created: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for prompt, engine_id in zip(prompts, ids):
+                created.append(
+                    self.engine.generate(prompt, params, engine_id, add_special_tokens=req.add_special_tokens)
+                )
+        except BaseException:
+            await EngineStreams(created).aclose()
+            raise
+        streams = EngineStreams(created)
+        with _named_for(req):
+            await streams.start()
+        return streams
+
+    # ---- /v1/completions ----------------------------------------------------------
+
+    async def create_completion(
+        self, req: CompletionRequest, request_id: str
+    ) -> CompletionResponse | EventStream:
+        """A CompletionResponse, or with `stream` an `EventStream` of SSE strings.
+
+        Raises (before any stream exists) ModelNotFoundError for an unknown
+        model and InvalidParameterError/PromptTooLongError naming the field.
+        Engine request ids: `request_id` for one prompt, else
+        `f"{request_id}-{prompt_index}"`.
+        """
+        model = self._model_name(req.model)
+        with _named_for(req):
+            params = req.to_sampling_params()
+            prompts = _completion_prompts(req.prompt)
+        streams = await self._start(req, prompts, params, request_id)
+        tally = _Tally(len(prompts), params.n, keep_outputs=not req.stream)
+        response_id = _response_id("cmpl-", request_id)
+        created = int(time.time())
+        if req.stream:
+            events = self._completion_events(req, streams, tally, response_id, created, model)
+            return EventStream(events, streams.aclose)
+        async with contextlib.aclosing(streams.outputs()) as outputs:
+            async for prompt_index, out in outputs:
+                tally.absorb(prompt_index, out)
+        choices = [self._completion_choice(req, tally, index) for index in range(len(prompts) * params.n)]
+        return CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=tally.usage())
+
+    def _completion_choice(self, req: CompletionRequest, tally: _Tally, index: int) -> CompletionResponseChoice:
+        choice = tally.choice(index)
+        prompt = tally.prompt(choice.prompt_index)
+        text = "".join(choice.text)
+        token_ids: list[int] = choice.token_ids
+        logprobs = padded(choice.logprobs, len(token_ids))
+        if req.echo:
+            text = self._prompt_text(prompt) + text
+            token_ids = prompt.token_ids + token_ids
+            logprobs = padded(prompt.logprobs, len(prompt.token_ids)) + logprobs
+        return CompletionResponseChoice(
+            index=index,
+            text=text,
+            logprobs=(
+                self._logprobs.completion(token_ids, logprobs, req.logprobs, 0) if req.logprobs is not None else None
+            ),
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            prompt_logprobs=prompt_logprobs_field(prompt.logprobs) if req.prompt_logprobs is not None else None,
+        )
+
+    async def _completion_events(
+        self,
+        req: CompletionRequest,
+        streams: EngineStreams,
+        tally: _Tally,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncGenerator[str, None]:
+        include_usage = req.include_usage
+        try:
+            async with contextlib.aclosing(streams.outputs()) as outputs:
+                async for prompt_index, out in outputs:
+                    for choice, delta in tally.absorb(prompt_index, out):
+                        chunk = self._completion_chunk(req, tally, choice, delta)
+                        if chunk is None:
+                            continue
+                        response = CompletionStreamResponse(
+                            id=response_id, created=created, model=model, choices=[chunk]
+                        )
+                        yield sse(response, include_usage)
+        except Exception as e:  # the status line is long gone: report in-band
+            logger.warning("completion stream %s failed: %s", response_id, e)
+            yield sse_error(e)
+            yield SSE_DONE
+            return
+        if include_usage:
+            final = CompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=[], usage=tally.usage()
+            )
+            yield sse(final, True)
+        yield SSE_DONE
+
+    def _completion_chunk(
+        self, req: CompletionRequest, tally: _Tally, choice: _ChoiceState, delta: CompletionOutput
+    ) -> CompletionResponseStreamChoice | None:
+        """The stream choice for one delta; None when it carries nothing."""
+        text = delta.text
+        token_ids = list(delta.token_ids)
+        logprobs = padded(delta.logprobs or [], len(token_ids))
+        if req.echo and not choice.echoed:
+            choice.echoed = True
+            prompt = tally.prompt(choice.prompt_index)
+            text = self._prompt_text(prompt) + text
+            token_ids = prompt.token_ids + token_ids
+            logprobs = padded(prompt.logprobs, len(prompt.token_ids)) + logprobs
+        elif not text and not token_ids and delta.finish_reason is None:
+            return None
+        chunk_logprobs = None
+        if req.logprobs is not None:
+            chunk_logprobs = self._logprobs.completion(token_ids, logprobs, req.logprobs, choice.text_len)
+        choice.text_len += len(text)
+        return CompletionResponseStreamChoice(
+            index=choice.index,
+            text=text,
+            logprobs=chunk_logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+
+    # ---- /v1/chat/completions -------------------------------------------------------
+
+    async def create_chat_completion(
+        self, req: ChatCompletionRequest, request_id: str
+    ) -> ChatCompletionResponse | EventStream:
+        """A ChatCompletionResponse, or with `stream` an `EventStream` of SSE strings.
+
+        The conversation is rendered with the chat template and sent as text
+        (tokenized with `req.add_special_tokens`, False by default). Errors
+        are raised before any stream exists, as for `create_completion`.
+        """
+        model = self._model_name(req.model)
+        with _named_for(req):
+            params = req.to_sampling_params()
+            prompt = self.engine.processor.render_chat(req.template_messages(), **req.template_options())
+        streams = await self._start(req, [prompt], params, request_id)
+        tally = _Tally(1, params.n, keep_outputs=not req.stream)
+        response_id = _response_id("chatcmpl-", request_id)
+        created = int(time.time())
+        if req.stream:
+            events = self._chat_events(req, streams, tally, response_id, created, model)
+            return EventStream(events, streams.aclose)
+        async with contextlib.aclosing(streams.outputs()) as outputs:
+            async for prompt_index, out in outputs:
+                tally.absorb(prompt_index, out)
+        choices = [self._chat_choice(req, tally, index) for index in range(params.n)]
+        prompt_state = tally.prompt(0)
+        return ChatCompletionResponse(
+            id=response_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=tally.usage(),
+            prompt_logprobs=(
+                prompt_logprobs_field(prompt_state.logprobs) if req.prompt_logprobs is not None else None
+            ),
+        )
+
+    def _chat_choice(self, req: ChatCompletionRequest, tally: _Tally, index: int) -> ChatCompletionResponseChoice:
+        choice = tally.choice(index)
+        logprobs = None
+        if req.logprobs:
+            logprobs = self._logprobs.chat(choice.token_ids, choice.logprobs, req.top_logprobs or 0)
+        return ChatCompletionResponseChoice(
+            index=index,
+            message=ChatMessage(role="assistant", content="".join(choice.text)),
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+        )
+
+    async def _chat_events(
+        self,
+        req: ChatCompletionRequest,
+        streams: EngineStreams,
+        tally: _Tally,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncGenerator[str, None]:
+        include_usage = req.include_usage
+
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            response = ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=[choice])
+            return sse(response, include_usage)
+
+        try:
+            # The role comes first, once per choice, before any content (OpenAI's order).
+            role = DeltaMessage(role="assistant", content="")
+            for index in range(tally.n):
+                yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
+            async with contextlib.aclosing(streams.outputs()) as outputs:
+                async for prompt_index, out in outputs:
+                    for choice, delta in tally.absorb(prompt_index, out):
+                        if not delta.text and not delta.token_ids and delta.finish_reason is None:
+                            continue
+                        logprobs = None
+                        if req.logprobs:
+                            logprobs = self._logprobs.chat(
+                                delta.token_ids, delta.logprobs or [], req.top_logprobs or 0
+                            )
+                        content = delta.text if (delta.text or delta.token_ids) else None
+                        yield chunk(
+                            ChatCompletionResponseStreamChoice(
+                                index=choice.index,
+                                delta=DeltaMessage(content=content),
+                                logprobs=logprobs,
+                                finish_reason=delta.finish_reason,
+                                stop_reason=delta.stop_reason,
+                            )
+                        )
+        except Exception as e:  # the status line is long gone: report in-band
+            logger.warning("chat stream %s failed: %s", response_id, e)
+            yield sse_error(e)
+            yield SSE_DONE
+            return
+        if include_usage:
+            final = ChatCompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=[], usage=tally.usage()
+            )
+            yield sse(final, True)
+        yield SSE_DONE
+
+    # ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
+
+    def show_models(self) -> ModelList:
+        root = getattr(getattr(self.engine.processor, "model_config", None), "model", None)
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name,
+                    created=self._created,
+                    root=root or self.served_model_names[0],
+                    max_model_len=self.max_model_len,
+                )
+                for name in self.served_model_names
+            ]
+        )
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a prompt, or of a conversation rendered as a chat
+        request would render it (then added special tokens default to off)."""
+        self._model_name(req.model)
+        processor = self.engine.processor
+        if isinstance(req, TokenizeChatRequest):
+            text = processor.render_chat(req.template_messages(), **req.template_options())
+        else:
+            text = req.prompt
+        tokens = processor.tokenize(text, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self._model_name(req.model)
+        vocab_size = self.engine.processor.vocab_size
+        for token_id in req.tokens:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidParameterError(
+                    "tokens", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                )
+        return DetokenizeResponse(prompt=str(self.engine.tokenizer.decode(req.tokens)))
