@@ -1,4 +1,6 @@
-"""`rayvllm` command line: `rayvllm generate "Hello"` runs the offline engine."""
+"""`rayvllm` command line: `rayvllm generate "Hello"` runs the offline engine;
+`rayvllm serve [--model DIR] [engine flags]` serves the OpenAI API with Ray
+Serve (the same app as `serve run serve_app:build_app`)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,24 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, build_app
+
+    args = engine_args_from(ns).model_dump(exclude_unset=True)
+    if ns.api_key is not None:
+        args["api_key"] = ns.api_key
+    if ns.max_pending_requests is not None:
+        args["max_pending_requests"] = ns.max_pending_requests
+    app = build_app(args)
+    ray.init(address=ns.address)
+    serve.start(http_options={"host": ns.host, "port": ns.port})
+    serve.run(app, name=DEFAULT_APP_NAME, route_prefix="/", blocking=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayvllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API with Ray Serve")
+    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--address", default=None, help="Ray cluster address (default: find one or start one)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API routes")
+    srv.add_argument("--max-pending-requests", type=int, default=None,
+                     help="answer 503 beyond this many unfinished requests")
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,209 @@
+"""The `LLMServer` Ray Serve deployment: OpenAI HTTP routes plus Python handle methods.
+
+One replica holds the Processor and the asyncio engine loop (`AsyncLLM`);
+the engine core runs in the SchedulerActor with its worker groups (DESIGN),
+so the replica itself asks Ray for no CPU. HTTP errors are OpenAI-style
+JSON bodies carrying the status of the `RayvllmError` raised.
+"""
+
+
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+
+from rayvllm.engine.async_llm import AsyncLLM
+from rayvllm.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    error_body,
+    parse_request,
+    parse_tokenize_request,
+)
+from rayvllm.entrypoints.openai.serving import OpenAIServing
+from rayvllm.errors import AuthenticationError, InvalidParameterError
+from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.sampling_params import SamplingParams
+
+app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+def _error(exc: BaseException) -> JSONResponse:
+    status, body = error_body(exc)
+    return JSONResponse(body, status_code=status)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        data = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidParameterError("body", f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidParameterError("body", "must be a JSON object")
+    return data
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    return parse_request(model, await _json(request))
+
+
+def _respond(result: BaseModel | AsyncIterator[str]) -> Response:
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump(mode="json"))
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def _sampling_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    return SamplingParams(**params)
+
+
+@serve.deployment(
+    name="LLMServer",
+    ray_actor_options={"num_cpus": 0},
+    # Each request is a long-lived coroutine; admission is the engine's
+    # call (max_pending_requests), not a small Serve default.
+    max_ongoing_requests=4096,
+    health_check_period_s=10,
+    health_check_timeout_s=60,
+)
+@serve.ingress(app)
+class LLMServer:
+    """Invariant: one `AsyncLLM` per replica, started with the replica and
+    shut down with it; every route and handle method goes through it."""
+
+    def __init__(
+        self,
+        engine_args: dict[str, Any],
+        api_key: str | None = None,
+        max_pending_requests: int | None = None,
+    ) -> None:
+        args = EngineArgs.from_dict(engine_args)
+        if args.distributed_executor_backend is None:
+            # The replica keeps the loop; the core lives in the SchedulerActor.
+            args.distributed_executor_backend = "ray"
+        self.engine = AsyncLLM.from_engine_args(args, max_pending_requests=max_pending_requests)
+        self.serving = OpenAIServing(self.engine, [self.engine.served_model_name], self.engine.max_model_len)
+        self.api_key = api_key
+
+    def _authorize(self, request: Request) -> None:
+        """With an API key set, the API routes (not /health or /metrics,
+        which probes and scrapers reach) need `Authorization: Bearer <key>`."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise AuthenticationError("missing or wrong API key (send 'Authorization: Bearer <key>')")
+
+    # ---- OpenAI routes --------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            body = await _parse(request, CompletionRequest)
+            return _respond(await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}"))
+        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
+            return _error(e)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            body = await _parse(request, ChatCompletionRequest)
+            return _respond(await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}"))
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except AuthenticationError as e:
+            return _error(e)
+        return JSONResponse(self.serving.show_models().model_dump(mode="json"))
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            body = parse_tokenize_request(await _json(request))
+            return JSONResponse(self.serving.tokenize(body).model_dump(mode="json"))
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            body = await _parse(request, DetokenizeRequest)
+            return JSONResponse(self.serving.detokenize(body).model_dump(mode="json"))
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await self.engine.check_health()
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        await self.engine.refresh_stats()
+        payload, content_type = self.engine.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    # ---- Python handle methods ------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """The finished `RequestOutput` (as `LLM.generate` returns it)."""
+        final: RequestOutput | None = None
+        async for out in self.engine.generate(
+            prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        ):
+            final = out
+        assert final is not None and final.finished
+        return final
+
+    async def generate_stream(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """DELTA `RequestOutput`s as tokens arrive; call through
+        `handle.options(stream=True)`."""
+        async for out in self.engine.generate(
+            prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex
+        ):
+            yield out
+
+    async def check_health(self) -> None:
+        """Serve's replica health hook: a failing engine gets the replica
+        restarted."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,82 @@
+"""Building the Serve application, and the Python handle on a running one.
+
+`build_app` is what `serve run serve_app:build_app key=value ...`, a Serve
+config file and `rayvllm serve` all call: every `EngineArgs` field is an
+argument (values may arrive as strings and are coerced), plus the server's
+own options below. Without `model` the embedded demo model is served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+from rayvllm.engine_args import EngineArgs
+from rayvllm.errors import InvalidParameterError
+
+# `serve run <import path>` names its application "default"; the config file does too.
+DEFAULT_APP_NAME = "default"
+DEMO_MODEL_NAME = "rayvllm-demo"
+
+
+class ServerArgs(BaseModel):
+    """Options of the server itself (not of the engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_key: str | None = None
+    max_pending_requests: int | None = None
+
+
+def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
+    """Route each key to the engine or the server; an unknown key is an
+    error naming it (a typo must not be silently ignored)."""
+    unknown = [k for k in args if k not in EngineArgs.model_fields and k not in ServerArgs.model_fields]
+    if unknown:
+        raise InvalidParameterError(", ".join(unknown), "not an engine or server argument")
+    engine = EngineArgs.from_dict({k: v for k, v in args.items() if k in EngineArgs.model_fields})
+    server = ServerArgs(**{k: v for k, v in args.items() if k in ServerArgs.model_fields})
+    return engine, server
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    from rayvllm.demo import demo_model_path
+    from rayvllm.entrypoints.openai.api_server import LLMServer
+
+    engine, server = split_args(dict(args or {}))
+    given = engine.model_dump(exclude_unset=True)
+    if engine.model is None:
+        given["model"] = str(demo_model_path())
+        given.setdefault("served_model_name", DEMO_MODEL_NAME)
+    return LLMServer.bind(  # type: ignore[attr-defined]
+        given,
+        api_key=server.api_key,
+        max_pending_requests=server.max_pending_requests,
+    )
+
+
+class _ObjectRefMethod:
+    def __init__(self, method: Any) -> None:
+        self._method = method
+
+    def remote(self, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        return self._method.remote(*args, **kwargs)._to_object_ref_sync()
+
+
+class LLMHandle:
+    """A handle whose calls return Ray `ObjectRef`s, for plain Ray drivers:
+    `ray.get(LLMHandle().generate.remote(prompt, params))` is the finished
+    `RequestOutput`. (Serve's own handle returns `DeploymentResponse`s:
+    `await` them or call `.result()`.)"""
+
+    def __init__(self, app_name: str = DEFAULT_APP_NAME) -> None:
+        self.handle: DeploymentHandle = serve.get_app_handle(app_name)
+
+    @property
+    def generate(self) -> _ObjectRefMethod:
+        return _ObjectRefMethod(self.handle.generate)

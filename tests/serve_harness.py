@@ -1,0 +1,88 @@
+"""Start and stop a real `serve run` (or `rayvllm serve`) in a subprocess
+for the integration tests; the app answers on http://127.0.0.1:8000."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+BASE_URL = "http://127.0.0.1:8000"
+START_TIMEOUT_S = 240.0
+
+
+class ServeProcess:
+    """A server process in its own process group. Invariant: after `stop`
+    the group is gone, and with it the local Ray cluster `serve run` began."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            # A runner started in the background ignores SIGINT, and Python
+            # then never installs its KeyboardInterrupt handler: `serve run`
+            # would not shut down on Ctrl-C.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+
+    def wait_ready(self, headers: dict[str, str] | None = None) -> None:
+        """Until /health answers 200 and the model is listed; fail with the
+        server's log if it exits or the deadline passes."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                health = requests.get(f"{BASE_URL}/health", timeout=5)
+                models = requests.get(f"{BASE_URL}/v1/models", headers=headers, timeout=5)
+                if health.status_code == 200 and models.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)  # polling a server that is still starting, not synchronisation
+        raise TimeoutError(f"server not ready in {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 6000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        """Ctrl-C to the server (it shuts Serve and its local Ray down), a
+        kill of its process group if it hangs, then wait until nothing
+        listens on :8000 any more, so the next server cannot meet this one."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # raylet and GCS share the group
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+        deadline = time.monotonic() + 60
+        while _port_open(8000):
+            assert time.monotonic() < deadline, "port 8000 still served after the server stopped"
+            time.sleep(0.5)  # waiting for another process's socket to close
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def serve_run(args: list[str], log_path: Path) -> ServeProcess:
+    serve = str(Path(sys.executable).with_name("serve"))
+    return ServeProcess([serve, "run", *args], log_path)

@@ -1,0 +1,288 @@
+"""The real app under `serve run`, spoken to with the official `openai`
+package and raw HTTP: parity with the offline engine, streaming framing,
+exact usage, errors, API key, metrics, disconnects and the Python handles."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+openai = pytest.importorskip("openai")
+
+from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.tokenizer import get_tokenizer  # noqa: E402
+
+from serve_harness import BASE_URL, REPO, ServeProcess, serve_run  # noqa: E402
+
+KEY = "sk-rayvllm-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ENGINE = dict(max_num_seqs=8, max_model_len=256, kv_cache_memory_bytes=32 << 20)
+MAX_PENDING = 6
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    args = [f"{k}={v}" for k, v in ENGINE.items()]
+    proc = serve_run(
+        ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
+         f"max_pending_requests={MAX_PENDING}", *args],
+        tmp_path_factory.mktemp("serve") / "serve.log",
+    )
+    try:
+        proc.wait_ready(headers=AUTH)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir: Path) -> Iterator[LLM]:
+    llm = LLM(model=str(tiny_model_dir), **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def _metrics() -> dict[str, float]:
+    """Unlabelled view of /metrics: sample name (+ sorted labels except
+    model_name) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{BASE_URL}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def test_completion_matches_offline_engine(client: "openai.OpenAI", offline: LLM, tiny_model_dir: Path) -> None:
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert resp.choices[0].text == ref.outputs[0].text
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(get_tokenizer(tiny_model_dir)(PROMPT).input_ids)
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_streamed_completion_equals_unstreamed(client: "openai.OpenAI") -> None:
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_sse_framing_ends_with_done(server: ServeProcess) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "stream": True}
+    with requests.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][len("data: "):])["object"] == "text_completion"
+
+
+def test_chat_matches_offline_engine(client: "openai.OpenAI", offline: LLM) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert chunks[-1].usage.total_tokens == resp.usage.total_tokens
+
+
+def test_sampling_fields_reach_the_engine(client: "openai.OpenAI", offline: LLM) -> None:
+    seeded = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.9, top_p=0.9, seed=11, n=2,
+                  extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True})
+    a = client.completions.create(**seeded)
+    b = client.completions.create(**seeded)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+    assert a.usage.completion_tokens == 16
+    lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3)
+    assert len(lp.choices[0].logprobs.tokens) == 4
+    assert all(len(top) >= 3 for top in lp.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens == 3
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+    stop_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    cut = stop_text[3:6]
+    stopped = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[cut])
+    assert stopped.choices[0].finish_reason == "stop" and cut not in stopped.choices[0].text
+
+
+def test_models_tokenize_detokenize(server: ServeProcess, tiny_model_dir: Path) -> None:
+    models = requests.get(f"{BASE_URL}/v1/models", headers=AUTH, timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+    tok = requests.post(f"{BASE_URL}/tokenize", json={"model": "tiny", "prompt": PROMPT}, headers=AUTH, timeout=10)
+    tokenizer = get_tokenizer(tiny_model_dir)
+    ids = tokenizer(PROMPT).input_ids
+    assert tok.json()["tokens"] == ids and tok.json()["count"] == len(ids)
+    detok = requests.post(f"{BASE_URL}/detokenize", json={"model": "tiny", "tokens": ids}, headers=AUTH, timeout=10)
+    assert detok.json()["prompt"] == tokenizer.decode(ids) and PROMPT in detok.json()["prompt"]
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": "no-such-model", "prompt": "x"}, 404, None),
+        ({"model": "tiny", "prompt": "word " * 400}, 400, "prompt"),
+    ],
+)
+def test_errors_are_openai_json(server: ServeProcess, body: dict, status: int, param: str | None) -> None:
+    r = requests.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_invalid_json_and_api_key(server: ServeProcess) -> None:
+    r = requests.post(f"{BASE_URL}/v1/completions", data="{not json", headers=AUTH | {"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert requests.get(f"{BASE_URL}/v1/models", timeout=10).status_code == 401
+    assert requests.get(f"{BASE_URL}/health", timeout=30).status_code == 200
+
+
+def _stream_until_first_token(session: requests.Session, max_tokens: int) -> requests.Response:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    r = session.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60)
+    assert r.status_code == 200, r.text
+    next(line for line in r.iter_lines() if line)
+    return r
+
+
+def _wait_for_idle_engine(deadline_s: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and no KV block is held."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        m = _metrics()
+        if (m["rayvllm:num_requests_running"], m["rayvllm:num_requests_waiting"], m["rayvllm:kv_cache_usage_perc"]) == (0, 0, 0):
+            return m
+        assert time.monotonic() < deadline, f"engine still busy: {m}"
+        time.sleep(0.2)  # polling an external server's state, not synchronisation
+
+
+def test_disconnect_aborts_and_frees_blocks(server: ServeProcess) -> None:
+    before = _metrics()
+    with requests.Session() as session:
+        r = _stream_until_first_token(session, max_tokens=200)
+        r.close()  # the client goes away mid-stream
+    after = _wait_for_idle_engine()
+    key = "rayvllm:request_success_total{finished_reason=abort}"
+    assert after[key] == before.get(key, 0) + 1
+
+
+def test_overload_answers_503(server: ServeProcess) -> None:
+    """MAX_PENDING streams opened at once and held; each needs ~230 decode
+    steps, far longer than opening them takes, so the next request finds
+    the engine full."""
+    sessions = [requests.Session() for _ in range(MAX_PENDING)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(MAX_PENDING) as pool:
+            streams = list(pool.map(lambda s: _stream_until_first_token(s, max_tokens=230), sessions))
+        r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=AUTH, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        for s in streams:
+            s.close()
+    finally:
+        for s in sessions:
+            s.close()
+    _wait_for_idle_engine()
+
+
+def test_metrics_count_exactly(client: "openai.OpenAI") -> None:
+    _wait_for_idle_engine()
+    before = _metrics()
+    usages = [
+        client.completions.create(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=5 + i, temperature=0,
+                                  extra_body={"ignore_eos": True}).usage
+        for i in range(3)
+    ]
+    after = _metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert delta("rayvllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("rayvllm:generation_tokens_total") == sum(u.completion_tokens for u in usages) == 18
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"rayvllm:{hist}_count") == 3
+    assert delta("rayvllm:request_success_total{finished_reason=length}") == 3
+    assert "rayvllm:prefix_cache_queries_total" in after and "rayvllm:num_preemptions_total" in after
+
+
+HANDLE_SCRIPT = """
+import asyncio, ray
+from ray import serve
+from rayvllm import SamplingParams
+from rayvllm.entrypoints.serve_builder import LLMHandle
+ray.init(address="auto", log_to_driver=False)
+params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+handle = serve.get_app_handle("default")
+a = handle.generate.remote("{prompt}", params).result()
+b = ray.get(LLMHandle().generate.remote("{prompt}", params))
+async def stream():
+    return [o async for o in handle.options(stream=True).generate_stream.remote("{prompt}", params)]
+deltas = asyncio.run(stream())
+print(repr((a.outputs[0].text, a.finished, b.outputs[0].text, b.finished,
+            "".join(d.outputs[0].text for d in deltas), deltas[-1].finished, len(deltas))))
+"""
+
+
+def test_python_handles(server: ServeProcess, offline: LLM) -> None:
+    ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    out = subprocess.run(
+        [sys.executable, "-c", HANDLE_SCRIPT.format(prompt=PROMPT)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    a_text, a_done, b_text, b_done, streamed, s_done, n = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307
+    text = ref.outputs[0].text
+    assert (a_text, a_done, b_text, b_done, streamed, s_done) == (text, True, text, True, text, True)
+    assert n > 1  # it really streamed
+
+
+def test_concurrent_clients_all_match(client: "openai.OpenAI", offline: LLM) -> None:
+    prompts = [f"{PROMPT} number {i}" for i in range(6)]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(
+            lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0).choices[0].text,
+            prompts,
+        ))
+    assert texts == [r.outputs[0].text for r in refs]

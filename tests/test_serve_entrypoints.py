@@ -1,0 +1,68 @@
+"""The three ways to start the app answer on :8000: the README's
+`serve run serve_app:app` (demo model, no setup), the shipped Serve config
+file, and `rayvllm serve`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME
+
+from serve_harness import BASE_URL, ServeProcess, serve_run
+
+
+def _curl_completion() -> dict:
+    """Exactly what a user types after the README's first command."""
+    import json
+
+    out = subprocess.run(
+        ["curl", "-sS", f"{BASE_URL}/v1/completions", "-H", "Content-Type: application/json",
+         "-d", '{"prompt": "Hello, my name is", "max_tokens": 8}'],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def _check_demo(proc: ServeProcess) -> None:
+    try:
+        proc.wait_ready()
+        body = _curl_completion()
+        assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
+        usage, choice = body["usage"], body["choices"][0]
+        assert isinstance(choice["text"], str) and 0 < usage["completion_tokens"] <= 8
+        assert choice["finish_reason"] == ("length" if usage["completion_tokens"] == 8 else "stop")
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    finally:
+        proc.stop()
+
+
+def test_serve_run_demo_app(tmp_path: Path) -> None:
+    _check_demo(serve_run(["serve_app:app"], tmp_path / "serve.log"))
+
+
+def test_serve_run_config_file(tmp_path: Path) -> None:
+    _check_demo(serve_run(["serve_config.yaml"], tmp_path / "serve.log"))
+
+
+@pytest.mark.skipif(not Path(sys.executable).with_name("rayvllm").exists(), reason="console script not installed")
+def test_rayvllm_serve_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cli = str(Path(sys.executable).with_name("rayvllm"))
+    proc = ServeProcess(
+        [cli, "serve", "--model", str(tiny_model_dir), "--served-model-name", "cli-model", "--max-model-len", "256",
+         "--kv-cache-memory-bytes", str(32 << 20)],
+        tmp_path / "serve.log",
+    )
+    try:
+        proc.wait_ready()
+        models = requests.get(f"{BASE_URL}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["cli-model"]
+        r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "cli-model", "prompt": "Hi", "max_tokens": 3},
+                          timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.stop()
