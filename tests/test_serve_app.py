@@ -178,12 +178,16 @@ def test_invalid_json_and_api_key(server: ServeProcess) -> None:
     assert requests.get(f"{BASE_URL}/health", timeout=30).status_code == 200
 
 
-def _stream_until_first_token(session: requests.Session, max_tokens: int) -> requests.Response:
+def _stream_until_first_token(session: requests.Session, max_tokens: int) -> tuple[requests.Response, Iterator[bytes]]:
+    """An open stream after its first event. The line iterator is returned
+    too: once it is garbage collected, requests releases the connection,
+    which the server (rightly) takes for a client gone away."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     r = session.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, stream=True, timeout=60)
     assert r.status_code == 200, r.text
-    next(line for line in r.iter_lines() if line)
-    return r
+    lines = r.iter_lines()
+    assert next(lines).startswith(b"data: ")
+    return r, lines
 
 
 def _wait_for_idle_engine(deadline_s: float = 60.0) -> dict[str, float]:
@@ -200,7 +204,7 @@ def _wait_for_idle_engine(deadline_s: float = 60.0) -> dict[str, float]:
 def test_disconnect_aborts_and_frees_blocks(server: ServeProcess) -> None:
     before = _metrics()
     with requests.Session() as session:
-        r = _stream_until_first_token(session, max_tokens=200)
+        r, _ = _stream_until_first_token(session, max_tokens=200)
         r.close()  # the client goes away mid-stream
     after = _wait_for_idle_engine()
     key = "rayvllm:request_success_total{finished_reason=abort}"
@@ -217,8 +221,8 @@ def test_overload_answers_503(server: ServeProcess) -> None:
             streams = list(pool.map(lambda s: _stream_until_first_token(s, max_tokens=230), sessions))
         r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=AUTH, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-        for s in streams:
-            s.close()
+        for r, _ in streams:
+            r.close()
     finally:
         for s in sessions:
             s.close()
