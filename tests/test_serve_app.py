@@ -290,3 +290,19 @@ def test_concurrent_clients_all_match(client: "openai.OpenAI", offline: LLM) -> 
             prompts,
         ))
     assert texts == [r.outputs[0].text for r in refs]
+
+
+def test_dead_worker_is_reported(server: ServeProcess) -> None:
+    """Last in this module: it kills the engine's only WorkerActor. Health
+    must turn 503 and requests fail fast with an OpenAI-style 503 (Serve
+    restarts the replica only after its next health check, seconds later)."""
+    assert requests.get(f"{BASE_URL}/health", timeout=60).status_code == 200
+    subprocess.run(["pkill", "-9", "-f", "ray::WorkerActor"], check=True)
+    deadline = time.monotonic() + 60
+    while (health := requests.get(f"{BASE_URL}/health", timeout=60)).status_code == 200:
+        assert time.monotonic() < deadline, "health still 200 after the worker died"
+        time.sleep(0.2)  # polling an external server's state, not synchronisation
+    assert health.status_code == 503 and health.json()["error"]["type"] == "service_unavailable"
+    r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                      headers=AUTH, timeout=60)
+    assert r.status_code == 503, r.text
