@@ -51,10 +51,12 @@ class SchedulerActor:
         """Everything the engine loop has for the core, then one step: the
         loop's single call per step."""
         assert self.core is not None
-        if aborts:
-            self.core.abort_requests(aborts)
+        # Adds before aborts, as in AsyncLLM: an abort may name a request of
+        # this same batch.
         for group in new_requests:
             self.core.add_requests(group)
+        if aborts:
+            self.core.abort_requests(aborts)
         return self.core.step()
 
     def make_stats(self) -> SchedulerStats:

@@ -208,10 +208,12 @@ class AsyncLLM:
 
     def _step_core(self, work: _CoreWork) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
         core = self.engine_core
-        if work.aborts:
-            core.abort_requests(work.aborts)
+        # Adds first: a request aborted before its first step arrives in the
+        # same batch as its add, and must not outlive the abort in the core.
         for group in work.new:
             core.add_requests(group)
+        if work.aborts:
+            core.abort_requests(work.aborts)
         outputs = core.step()
         return outputs, core.make_stats() if work.want_stats else None
 
