@@ -4,20 +4,23 @@
 run at once and one background task steps the engine for all of them.
 
 Threading invariant: the Processor, the OutputProcessor and the per-request
-queues are touched only on the event loop; the engine core only inside
-`_step_core`, which runs on one dedicated thread, so a blocking step (a
-forward, or a channel round trip to the SchedulerActor) never stalls the
-HTTP server, and new requests and aborts reach the core between steps, never
-during one.
+queues are touched only on the event loop; the engine core only on one
+dedicated step thread, so a blocking step (a forward, or a channel round
+trip to the SchedulerActor) never stalls the HTTP server. New requests and
+aborts pass from the loop to that thread through `_intake`, a deque (atomic
+append/popleft), in arrival order; they reach the core between steps, never
+during one. On the Ray path they are taken as late as possible: right before
+the client sends the next step, which may be after it waited for the
+previous one, so a request arriving meanwhile is not a step late.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rayvllm.config import EngineConfig
@@ -45,15 +48,6 @@ STEP_STALL_S = 60.0
 STATS_INTERVAL_S = 1.0
 
 
-@dataclass
-class _CoreWork:
-    """What the loop hands the core for one step (applied before it)."""
-
-    new: list[list[EngineCoreRequest]]
-    aborts: list[str]
-    want_stats: bool
-
-
 class AsyncLLM:
     """Serving front of the engine. `max_pending_requests` bounds user
     requests admitted but unfinished (None: no bound); beyond it `generate`
@@ -71,8 +65,9 @@ class AsyncLLM:
         self.engine_core: EngineCore | RayEngineCoreClient = make_engine_core(config)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._new: list[list[EngineCoreRequest]] = []
-        self._aborts: list[str] = []
+        self._intake: deque[list[EngineCoreRequest] | str] = deque()  # a request group, or an id to abort
+        if hasattr(self.engine_core, "before_send"):  # the Ray client; no Ray import needed here
+            self.engine_core.before_send = self._drain_intake
         self._started: set[str] = set()  # user requests whose prompt tokens were counted
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -131,7 +126,7 @@ class AsyncLLM:
             )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._new.append(core_reqs)
+        self._intake.append(core_reqs)
         self._wake()
         finished = False
         try:
@@ -157,7 +152,7 @@ class AsyncLLM:
             return
         for out in self.output_processor.abort_requests(ids):
             self._deliver(out, notify)
-        self._aborts += ids
+        self._intake.extend(ids)
         self._wake()
 
     # ---- the loop -----------------------------------------------------------------
@@ -176,7 +171,7 @@ class AsyncLLM:
             self._wakeup.set()
 
     def _has_work(self) -> bool:
-        return bool(self._new or self._aborts or self.output_processor.has_unfinished_requests())
+        return bool(self._intake or self.output_processor.has_unfinished_requests())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -188,12 +183,11 @@ class AsyncLLM:
                     await self._wakeup.wait()
                     continue
                 now = time.monotonic()
-                work = _CoreWork(self._new, self._aborts, now - self._last_stats >= STATS_INTERVAL_S)
-                self._new, self._aborts = [], []
-                if work.want_stats:
+                want_stats = now - self._last_stats >= STATS_INTERVAL_S
+                if want_stats:
                     self._last_stats = now
                 self._step_started = now
-                core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, work)
+                core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, want_stats)
                 self._step_started = None
                 self._process(core_outputs)
                 if stats is not None:
@@ -206,21 +200,27 @@ class AsyncLLM:
             for queue in self._queues.values():
                 queue.put_nowait(dead)
 
-    def _step_core(self, work: _CoreWork) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
+    def _step_core(self, want_stats: bool) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
         core = self.engine_core
-        # Adds first: a request aborted before its first step arrives in the
-        # same batch as its add, and must not outlive the abort in the core.
-        for group in work.new:
-            core.add_requests(group)
-        if work.aborts:
-            core.abort_requests(work.aborts)
+        self._drain_intake()
         outputs = core.step()
-        return outputs, core.make_stats() if work.want_stats else None
+        return outputs, core.make_stats() if want_stats else None
+
+    def _drain_intake(self) -> None:
+        """Step thread only. Arrival order keeps an abort after the add of
+        the request it names (so it cannot outlive the abort in the core)."""
+        core = self.engine_core
+        while self._intake:
+            item = self._intake.popleft()
+            if isinstance(item, str):
+                core.abort_requests([item])
+            else:
+                core.add_requests(item)
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> None:
         result = self.output_processor.process_outputs(core_outputs)
         if result.reqs_to_abort:
-            self._aborts += result.reqs_to_abort
+            self._intake.extend(result.reqs_to_abort)
         prompt_tokens = generation_tokens = 0
         for out in result.request_outputs:
             generation_tokens += sum(len(c.token_ids) for c in out.outputs)

@@ -18,7 +18,7 @@ aborted request may emit one more output, which the OutputProcessor drops
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -71,6 +71,9 @@ class RayEngineCoreClient:
         # answered while another call waited behind it; never both.
         self._inflight = False
         self._ready: list[EngineCoreOutput] | None = None
+        # Called (on the stepping thread) right before a step is sent, so a
+        # caller can hand over requests that arrived while it waited.
+        self.before_send: Callable[[], None] | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._new.append([request])
@@ -97,6 +100,8 @@ class RayEngineCoreClient:
         return outputs
 
     def _send_step(self) -> None:
+        if self.before_send is not None:
+            self.before_send()
         new, aborts = self._new, self._aborts
         self._new, self._aborts = [], []
         self.channel.send("step", new, aborts)
