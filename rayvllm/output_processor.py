@@ -321,6 +321,22 @@ class OutputProcessor:
             )
         self._sequences[req_id] = state
 
+    def add_fanout(
+        self,
+        request_id: str,
+        core_reqs: list[EngineCoreRequest],
+        prompt: str | None,
+        output_kind: RequestOutputKind | None = None,
+    ) -> None:
+        """Track what `Processor.process_with_fanout` made of user request
+        `request_id`: the request itself, or its n children as one group."""
+        n = len(core_reqs)
+        for index, core_req in enumerate(core_reqs):
+            self.add_request(
+                core_req, prompt, parent_id=request_id if n > 1 else None, index=index, n=n,
+                output_kind=output_kind,
+            )
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._sequences)
 

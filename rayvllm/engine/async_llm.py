@@ -114,16 +114,7 @@ class AsyncLLM:
         core_reqs, prompt_text = self.processor.process_with_fanout(
             request_id, prompt, params, priority=priority, add_special_tokens=add_special_tokens
         )
-        n = len(core_reqs)
-        for index, core_req in enumerate(core_reqs):
-            self.output_processor.add_request(
-                core_req,
-                prompt_text,
-                parent_id=request_id if n > 1 else None,
-                index=index,
-                n=n,
-                output_kind=output_kind,
-            )
+        self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._intake.append(core_reqs)

@@ -57,16 +57,7 @@ class LLMEngine:
         core_reqs, prompt_text = self.processor.process_with_fanout(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority
         )
-        n = len(core_reqs)
-        for index, core_req in enumerate(core_reqs):
-            self.output_processor.add_request(
-                core_req,
-                prompt_text,
-                parent_id=request_id if n > 1 else None,
-                index=index,
-                n=n,
-                output_kind=output_kind,
-            )
+        self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         self.engine_core.add_requests(core_reqs)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
