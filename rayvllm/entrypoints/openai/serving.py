@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Protocol, cast
+
+from pydantic import BaseModel
 
 from rayvllm.entrypoints.openai.logprobs import LogprobFormatter, padded, prompt_logprobs_field
 from rayvllm.entrypoints.openai.protocol import (
@@ -196,6 +199,31 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
 # ---- the endpoints -------------------------------------------------------------------
 
 
+async def _framed(
+    events: AsyncGenerator[str, None],
+    kind: str,
+    response_id: str,
+    tally: "_Tally",
+    final: Callable[..., BaseModel],
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
+    """The frame every streamed response shares: its events; an in-band
+    error event if the engine fails mid-stream (the status line is long
+    gone); the usage chunk when asked (`final(usage=...)`); then [DONE]."""
+    try:
+        async with contextlib.aclosing(events) as body:
+            async for event in body:
+                yield event
+    except Exception as e:
+        logger.warning("%s stream %s failed: %s", kind, response_id, e)
+        yield sse_error(e)
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield sse(final(usage=tally.usage()), True)
+    yield SSE_DONE
+
+
 class OpenAIServing:
     """The logic behind /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize and /detokenize for one engine serving one model.
@@ -270,7 +298,8 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             events = self._completion_events(req, streams, tally, response_id, created, model)
-            return EventStream(events, streams.aclose)
+            final = partial(CompletionStreamResponse, id=response_id, created=created, model=model, choices=[])
+            return EventStream(_framed(events, "completion", response_id, tally, final, req.include_usage), streams.aclose)
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 tally.absorb(prompt_index, out)
@@ -308,28 +337,16 @@ class OpenAIServing:
         model: str,
     ) -> AsyncGenerator[str, None]:
         include_usage = req.include_usage
-        try:
-            async with contextlib.aclosing(streams.outputs()) as outputs:
-                async for prompt_index, out in outputs:
-                    for choice, delta in tally.absorb(prompt_index, out):
-                        chunk = self._completion_chunk(req, tally, choice, delta)
-                        if chunk is None:
-                            continue
-                        response = CompletionStreamResponse(
-                            id=response_id, created=created, model=model, choices=[chunk]
-                        )
-                        yield sse(response, include_usage)
-        except Exception as e:  # the status line is long gone: report in-band
-            logger.warning("completion stream %s failed: %s", response_id, e)
-            yield sse_error(e)
-            yield SSE_DONE
-            return
-        if include_usage:
-            final = CompletionStreamResponse(
-                id=response_id, created=created, model=model, choices=[], usage=tally.usage()
-            )
-            yield sse(final, True)
-        yield SSE_DONE
+        async with contextlib.aclosing(streams.outputs()) as outputs:
+            async for prompt_index, out in outputs:
+                for choice, delta in tally.absorb(prompt_index, out):
+                    chunk = self._completion_chunk(req, tally, choice, delta)
+                    if chunk is None:
+                        continue
+                    response = CompletionStreamResponse(
+                        id=response_id, created=created, model=model, choices=[chunk]
+                    )
+                    yield sse(response, include_usage)
 
     def _completion_chunk(
         self, req: CompletionRequest, tally: _Tally, choice: _ChoiceState, delta: CompletionOutput
@@ -379,7 +396,8 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             events = self._chat_events(req, streams, tally, response_id, created, model)
-            return EventStream(events, streams.aclose)
+            final = partial(ChatCompletionStreamResponse, id=response_id, created=created, model=model, choices=[])
+            return EventStream(_framed(events, "chat", response_id, tally, final, req.include_usage), streams.aclose)
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 tally.absorb(prompt_index, out)
@@ -424,42 +442,30 @@ class OpenAIServing:
             response = ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=[choice])
             return sse(response, include_usage)
 
-        try:
-            # The role comes first, once per choice, before any content (OpenAI's order).
-            role = DeltaMessage(role="assistant", content="")
-            for index in range(tally.n):
-                yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
-            async with contextlib.aclosing(streams.outputs()) as outputs:
-                async for prompt_index, out in outputs:
-                    for choice, delta in tally.absorb(prompt_index, out):
-                        if not delta.text and not delta.token_ids and delta.finish_reason is None:
-                            continue
-                        logprobs = None
-                        if req.logprobs:
-                            logprobs = self._logprobs.chat(
-                                delta.token_ids, delta.logprobs or [], req.top_logprobs or 0
-                            )
-                        content = delta.text if (delta.text or delta.token_ids) else None
-                        yield chunk(
-                            ChatCompletionResponseStreamChoice(
-                                index=choice.index,
-                                delta=DeltaMessage(content=content),
-                                logprobs=logprobs,
-                                finish_reason=delta.finish_reason,
-                                stop_reason=delta.stop_reason,
-                            )
+        # The role comes first, once per choice, before any content (OpenAI's order).
+        role = DeltaMessage(role="assistant", content="")
+        for index in range(tally.n):
+            yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
+        async with contextlib.aclosing(streams.outputs()) as outputs:
+            async for prompt_index, out in outputs:
+                for choice, delta in tally.absorb(prompt_index, out):
+                    if not delta.text and not delta.token_ids and delta.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if req.logprobs:
+                        logprobs = self._logprobs.chat(
+                            delta.token_ids, delta.logprobs or [], req.top_logprobs or 0
                         )
-        except Exception as e:  # the status line is long gone: report in-band
-            logger.warning("chat stream %s failed: %s", response_id, e)
-            yield sse_error(e)
-            yield SSE_DONE
-            return
-        if include_usage:
-            final = ChatCompletionStreamResponse(
-                id=response_id, created=created, model=model, choices=[], usage=tally.usage()
-            )
-            yield sse(final, True)
-        yield SSE_DONE
+                    content = delta.text if (delta.text or delta.token_ids) else None
+                    yield chunk(
+                        ChatCompletionResponseStreamChoice(
+                            index=choice.index,
+                            delta=DeltaMessage(content=content),
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                            stop_reason=delta.stop_reason,
+                        )
+                    )
 
     # ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
 
