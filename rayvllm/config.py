@@ -22,6 +22,11 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+# "auto" picks by device and availability (kernels/backends.py); the
+# environment variable stands in for an "auto" engine argument.
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKEND_ENV = "RAYVLLM_ATTENTION_BACKEND"
+
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> torch.dtype:
     """vLLM's rule: "auto" takes the checkpoint's dtype, except float32 stays
@@ -136,6 +141,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # Schedule step k+1 while step k is still on the workers (decodes are
+    # scheduled against the token step k will sample); see Scheduler.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -204,3 +212,13 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: str = "cpu"
     max_logprobs: int = 20
+    attention_backend: str = "auto"
+    # Never capture CUDA graphs (the CPU is always eager).
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidParameterError(
+                "attention_backend",
+                f"unknown backend {self.attention_backend!r}; expected one of {', '.join(ATTENTION_BACKENDS)}",
+            )

@@ -5,6 +5,7 @@ Names and meanings follow vLLM's so that a vLLM user finds the same knobs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,14 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayvllm.config import (
+    ATTENTION_BACKEND_ENV,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayvllm.errors import InvalidParameterError
 
 
@@ -35,6 +43,10 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # None: on where it pays, the Ray path with single-rank worker groups
+    # (the loop there would otherwise leave the worker idle while it
+    # schedules); off in-process, where nothing would overlap.
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -45,6 +57,10 @@ class EngineArgs(BaseModel):
     distributed_timeout_s: float = 60.0
     device: str = "auto"
     max_logprobs: int = 20
+    # "auto", "torch", "triton" or "flash_attn"; with "auto" the environment
+    # variable RAYVLLM_ATTENTION_BACKEND, when set, decides.
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
@@ -66,6 +82,23 @@ class EngineArgs(BaseModel):
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def _resolve_async_scheduling(self, pc: ParallelConfig) -> bool:
+        if self.async_scheduling is None:
+            return pc.use_ray and pc.world_size == 1
+        if self.async_scheduling and pc.world_size > 1:
+            # Ranks that do not sample learn each step's input tokens from
+            # the scheduler, which under async scheduling does not have them yet.
+            raise InvalidParameterError(
+                "async_scheduling", "needs tensor_parallel_size == pipeline_parallel_size == 1"
+            )
+        return self.async_scheduling
+
+    def resolve_attention_backend(self) -> str:
+        """The explicit argument wins over the environment variable."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return os.environ.get(ATTENTION_BACKEND_ENV, "auto")
+
     def create_engine_config(self) -> EngineConfig:
         device = self.resolve_device()
         model = self.model
@@ -79,6 +112,16 @@ class EngineArgs(BaseModel):
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             max_batched = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            placement_group_strategy=self.placement_group_strategy,
+            num_cpus_per_worker=self.num_cpus_per_worker,
+            placement_group_timeout_s=self.placement_group_timeout_s,
+            distributed_timeout_s=self.distributed_timeout_s,
+        )
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -94,17 +137,11 @@ class EngineArgs(BaseModel):
                 max_model_len=model_config.max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                async_scheduling=self._resolve_async_scheduling(parallel_config),
             ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=self.pipeline_parallel_size,
-                data_parallel_size=self.data_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-                placement_group_strategy=self.placement_group_strategy,
-                num_cpus_per_worker=self.num_cpus_per_worker,
-                placement_group_timeout_s=self.placement_group_timeout_s,
-                distributed_timeout_s=self.distributed_timeout_s,
-            ),
+            parallel_config=parallel_config,
             device=device,
             max_logprobs=self.max_logprobs,
+            attention_backend=self.resolve_attention_backend(),
+            enforce_eager=self.enforce_eager,
         )

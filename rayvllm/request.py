@@ -65,9 +65,11 @@ class Request:
     """Scheduler-side state of one request.
 
     Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
-    `0 <= num_computed_tokens <= num_tokens`; a request is runnable while
-    `num_computed_tokens < num_tokens` (prefill or recompute) or it is decoding
-    (then `num_tokens - num_computed_tokens == 1`).
+    `0 <= num_computed_tokens <= num_tokens + num_output_placeholders`; a
+    request is runnable while `num_computed_tokens < num_tokens +
+    num_output_placeholders` (prefill, recompute or decode). Placeholders
+    exist only under async scheduling: tokens that steps still on the workers
+    will sample, which the workers already know and the scheduler not yet.
     """
 
     def __init__(self, core_req: EngineCoreRequest) -> None:
@@ -90,6 +92,7 @@ class Request:
         # sent to the non-sampling ranks, and scheduled steps not yet returned.
         self.num_output_tokens_sent = 0
         self.num_inflight_steps = 0
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         assert core_req.sampling_params.max_tokens is not None

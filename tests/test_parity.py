@@ -125,3 +125,59 @@ def test_greedy_parity_with_prefix_cache_hits(parity_models: dict[str, Path], na
         expected = _hf_greedy(model_dir, prompt)[0]
         assert a.outputs[0].token_ids == expected
         assert b.outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-gqa-tied"])
+def test_greedy_parity_async_scheduling(parity_models: dict[str, Path], name: str) -> None:
+    """Async scheduling (the next step scheduled against tokens still being
+    sampled) computes exactly what the synchronous engine does, through
+    chunked prefill, preemption and prefix-cache hits; run in-process, where
+    the executor finishes each step on submission, so the scheduler's
+    bookkeeping is what is tested."""
+    model_dir = parity_models[name]
+    llm = LLM(
+        model=str(model_dir), dtype="float32", async_scheduling=True, max_num_batched_tokens=32,
+        num_gpu_blocks_override=30, max_model_len=256, enable_prefix_caching=True,
+    )
+    core = llm.llm_engine.engine_core
+    assert core.max_inflight == 2
+    prompts = _prompts(seed=14, shared_prefix=40)
+    first = _generate(llm, prompts)
+    second = _generate(llm, prompts)
+    assert core.scheduler.num_preemptions > 0
+    assert any(o.num_cached_tokens > 0 for o in second)
+    for prompt, a, b in zip(prompts, first, second):
+        expected = _hf_greedy(model_dir, prompt)[0]
+        assert a.outputs[0].token_ids == expected
+        assert b.outputs[0].token_ids == expected
+    assert core.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_async_scheduling_stops_where_sync_does(parity_models: dict[str, Path]) -> None:
+    """Requests that stop early (a stop token id, a max_tokens limit, n > 1)
+    end with the same tokens and reasons as without async scheduling: the
+    extra token computed past a stop is dropped."""
+    model_dir = parity_models["llama-gqa"]
+    prompts = _prompts(seed=15, n=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    reference = LLM(model=str(model_dir), dtype="float32", max_num_seqs=8)
+    full = reference.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    # Each prompt stops at a token it produces mid-way, or at a short max_tokens.
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NUM_NEW, stop_token_ids=[o.outputs[0].token_ids[3 + i]])
+        if i % 2 == 0
+        else SamplingParams(temperature=0.0, max_tokens=2 + i)
+        for i, o in enumerate(full)
+    ]
+    params[-1] = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=9)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    expected = reference.generate(inputs, params, use_tqdm=False)
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=8, async_scheduling=True)
+    got = llm.generate(inputs, params, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
+        assert [(c.finish_reason, c.stop_reason) for c in g.outputs] == [
+            (c.finish_reason, c.stop_reason) for c in e.outputs
+        ]
+    assert any(len(e.outputs[0].token_ids) < NUM_NEW and e.outputs[0].finish_reason == "stop" for e in expected)
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.usage == 0.0

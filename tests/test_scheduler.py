@@ -200,3 +200,44 @@ def test_n_siblings_share_the_prompt_blocks() -> None:
     for sib in ("1_p", "2_p"):
         assert sched.kv_cache_manager.get_block_ids(sib)[:3] == leader_blocks[:3]
     assert sched.kv_cache_manager.block_pool.blocks[leader_blocks[0]].ref_cnt == 3
+
+
+def test_async_scheduling_schedules_against_tokens_in_flight() -> None:
+    """Two steps in flight: the second feeds the token the first will sample
+    (an output placeholder), a request whose in-flight tokens reach
+    max_tokens is not scheduled again, and the token computed past a stop
+    id is dropped."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, async_scheduling=True),
+        CacheConfig(block_size=4, enable_prefix_caching=False, num_blocks=20),
+        max_inflight_steps=2,
+    )
+    sched.add_request(make_request("a", [1, 2, 3, 4, 5, 6], max_tokens=3))
+    sched.add_request(make_request("b", [8, 9, 10, 11], max_tokens=10, stop_ids=(42,)))
+
+    so1 = sched.schedule()
+    assert so1.num_scheduled_tokens == {"a": 6, "b": 4}
+    assert [sched.requests[r].num_output_placeholders for r in ("a", "b")] == [1, 1]
+    so2 = sched.schedule()  # before so1's tokens are back
+    assert so2.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert so2.scheduled_cached_reqs.num_computed_tokens == [6, 4]
+    # a's 7th slot fits its 2nd block; b's 5th needs a new one.
+    assert so2.scheduled_cached_reqs.new_block_ids == [[], [4]]
+    assert [sched.requests[r].num_output_placeholders for r in ("a", "b")] == [2, 2]
+
+    outs = sched.update_from_output(so1, ModelRunnerOutput(["a", "b"], [11, 42], None, {}))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
+        ("a", [11], None), ("b", [42], FinishReason.STOP)
+    ]
+    assert sched.requests["a"].num_output_placeholders == 1
+    so3 = sched.schedule()
+    assert so3.num_scheduled_tokens == {"a": 1}
+    assert so3.finished_req_ids == {"b"}
+    outs = sched.update_from_output(so2, ModelRunnerOutput(["a", "b"], [12, 99], None, {}))
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [12])]  # b's extra token dropped
+    # a's third and last token is in flight (so3): nothing more to schedule for it.
+    so4 = sched.schedule()
+    assert so4.num_scheduled_tokens == {}
+    outs = sched.update_from_output(so3, ModelRunnerOutput(["a"], [13], None, {}))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [13], FinishReason.LENGTH)]
+    assert sched.requests == {} and sched.kv_cache_manager.usage == 0.0

@@ -47,6 +47,9 @@ class EngineCore:
                 f"({needed - 1}); raise the KV cache budget or lower max_model_len"
             )
         config.cache_config.num_blocks = num_blocks
+        # Pipeline stages each hold a step; async scheduling keeps the next
+        # step queued on the workers while the current one runs.
+        self.max_inflight = max(pc.pipeline_parallel_size, 2 if config.scheduler_config.async_scheduling else 1)
         caching = config.cache_config.enable_prefix_caching
         self.prefix_index = PrefixIndex(dp) if caching and dp > 1 else None
         self.schedulers = [
@@ -54,13 +57,12 @@ class EngineCore:
                 config.scheduler_config,
                 config.cache_config,
                 send_token_ids=pc.world_size > 1,
-                max_inflight_steps=pc.pipeline_parallel_size,
+                max_inflight_steps=self.max_inflight,
                 listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
             )
             for rank in range(dp)
         ]
         self.router = DPRouter(dp, config.cache_config.block_size, self.prefix_index)
-        self.max_inflight = pc.pipeline_parallel_size
         self.inflight: list[deque[tuple[SchedulerOutput, PendingOutput]]] = [deque() for _ in range(dp)]
         self.request_rank: dict[str, int] = {}
 

@@ -59,10 +59,14 @@ class Scheduler:
 
     Pipelining (`max_inflight_steps > 1`): several scheduled steps may be
     on the workers at once. A request in flight is never preempted (its
-    blocks may still be written); decoding requests are not rescheduled
-    until their token is back, while a prefill may send its next chunk
-    (every stage runs steps in order, so the earlier chunk's KV is written
-    first).
+    blocks may still be written); a prefill may send its next chunk (every
+    stage runs steps in order, so the earlier chunk's KV is written first).
+    Decoding requests wait for their token, except under async scheduling:
+    then a step that will sample for a request adds an output placeholder,
+    and the next step feeds that token, which the (single, sampling) worker
+    has by the time it runs it. A request may then compute one token past
+    its end (EOS, a stop id); that output is dropped, as it arrives after
+    the request finished.
     """
 
     def __init__(
@@ -88,6 +92,8 @@ class Scheduler:
         # Ranks that do not sample need the sampled tokens in the next step.
         self.send_token_ids = send_token_ids
         self.track_inflight = max_inflight_steps > 1
+        self.async_scheduling = scheduler_config.async_scheduling
+        assert not (self.async_scheduling and send_token_ids), "async scheduling needs a sampling worker per group"
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -150,8 +156,11 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_output_placeholders
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            if pending and self._ends_with_pending(request):
+                num_new = 0
             if num_new <= 0:
                 idx += 1
                 continue
@@ -194,6 +203,7 @@ class Scheduler:
             # Advance now: later decisions in this step (siblings waiting on a
             # prompt) and the next schedule() see these tokens as in flight.
             request.num_computed_tokens += n
+            self._add_placeholder_if_sampling(request)
 
         # Then waiting requests, unless this step had to preempt (no room).
         if not preempted_ids and not out_of_blocks:
@@ -214,6 +224,7 @@ class Scheduler:
                     request.num_cached_tokens = num_hit
                     request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_hit + num_new
+                self._add_placeholder_if_sampling(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 new_reqs.append(
@@ -244,6 +255,23 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
+
+    def _add_placeholder_if_sampling(self, request: Request) -> None:
+        """Under async scheduling, count the token a step just scheduled
+        will sample: its last position reaches every token the worker knows."""
+        if self.async_scheduling and (
+            request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
+        ):
+            request.num_output_placeholders += 1
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the tokens already in flight finish the request by length,
+        so another step for it could only compute waste."""
+        pending = request.num_output_placeholders
+        return (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
 
     def _wait_for_sibling(self, request: Request) -> bool:
         """Hold an n > 1 child back while a sibling is still computing the
@@ -277,6 +305,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Only requests with nothing in flight are preempted.
+        assert request.num_output_placeholders == 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -300,6 +330,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             token = runner_output.sampled_token_ids[i]
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.append_output_token_ids([token])
             status, stop_reason = self._check_stop(request, token)
             out = EngineCoreOutput(
