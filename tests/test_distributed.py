@@ -114,6 +114,7 @@ def test_ray_backend_with_one_worker(ray_local: None, models: dict[str, Path]) -
         from rayvllm.engine.ray_core_client import RayEngineCoreClient
 
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
+        assert llm.llm_engine.config.scheduler_config.async_scheduling  # the default there
         assert _greedy(llm, _prompts()) == _single_process(model_dir)
     finally:
         llm.shutdown()

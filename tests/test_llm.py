@@ -155,3 +155,22 @@ def test_half_precision_logprobs_close_to_float32_reference(tiny_model_dir: Path
         assert abs(out.outputs[0].logprobs[step][tok].logprob - ref_lp[step, tok].item()) < 0.05
         if tok != ref_tok:
             break
+
+
+def test_async_scheduling_defaults_by_executor(tiny_model_dir: Path) -> None:
+    """On where a step can overlap the next one's scheduling (the Ray path
+    with single-rank groups), off in-process; asking for it with ranks that
+    do not sample is an error naming the field."""
+    from rayvllm.engine_args import EngineArgs
+
+    def resolved(**kw: object) -> bool:
+        return EngineArgs(model=str(tiny_model_dir), **kw).create_engine_config().scheduler_config.async_scheduling
+
+    assert resolved() is False
+    assert resolved(distributed_executor_backend="ray") is True
+    assert resolved(data_parallel_size=2) is True
+    assert resolved(tensor_parallel_size=2) is False
+    assert resolved(async_scheduling=True) is True
+    assert resolved(distributed_executor_backend="ray", async_scheduling=False) is False
+    with pytest.raises(InvalidParameterError, match="async_scheduling"):
+        resolved(pipeline_parallel_size=2, async_scheduling=True)
