@@ -20,7 +20,9 @@ ids (the prefix cache never hits) and reports the median round.
 Engines, each (engine, N) in its own subprocess so that one engine's threads,
 Ray processes or vLLM engine core cannot disturb the next, and die with it:
   inproc  rayvllm.LLM, default in-process executor.
-  ray     rayvllm.LLM(distributed_executor_backend="ray"), TP=1.
+  ray     rayvllm.LLM(distributed_executor_backend="ray"), TP=1 (async
+          scheduling on, its default there).
+  ray-sync  the same with async_scheduling=False.
   vllm    vLLM's CPU build in the peer virtualenv (bench/setup_peers.sh),
           float32, with bench/throughput.py's vLLM environment
           (VLLM_CPU_NUM_OF_RESERVED_CPU=0 etc.; see its --help). Each child
@@ -78,6 +80,8 @@ from throughput import _note, _parse_env, _timed_rounds, vllm_env  # noqa: E402
 ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
     "inproc": ("rayvllm", {}),
     "ray": ("rayvllm", {"distributed_executor_backend": "ray"}),
+    # The Ray path without async scheduling (its default there), for before/after.
+    "ray-sync": ("rayvllm", {"distributed_executor_backend": "ray", "async_scheduling": False}),
     "vllm": ("vllm", {}),
 }
 
