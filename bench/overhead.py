@@ -165,9 +165,9 @@ def child_vllm(engine: str, model: str, workload: Workload, args: argparse.Names
     return result
 
 
+# ENGINES' first element -> the child that runs it.
 CHILDREN: dict[str, Callable[[str, str, Workload, argparse.Namespace], dict[str, Any]]] = {
-    "inproc": child_rayvllm,
-    "ray": child_rayvllm,
+    "rayvllm": child_rayvllm,
     "vllm": child_vllm,
 }
 
@@ -189,7 +189,7 @@ def child_main(args: argparse.Namespace) -> None:
     def work() -> dict[str, Any]:
         import torch
 
-        result = CHILDREN[args.child](args.child, args.model, workload, args)
+        result = CHILDREN[ENGINES[args.child][0]](args.child, args.model, workload, args)
         _summarise_steps(result, int(workload.extra["output_len"]))
         module = sys.modules["vllm" if args.child == "vllm" else "rayvllm"]
         result.update(
