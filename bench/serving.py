@@ -11,7 +11,11 @@ other (never two at once: this is a 2-core box), runs every rate against it and
 stops it, so the figures a ratio compares come from the same workload, client
 and machine state:
   rayvllm  `serve run --address local serve_app:build_app model=DIR
-           max_num_seqs=K [--rayvllm-arg KEY=VALUE ...]` from the repo root, on
+           max_num_seqs=K [--rayvllm-arg KEY=VALUE ...]` from the repo root.
+           With --rayvllm-ingress direct (the default) the cluster starts
+           with Serve's direct ingress (serve_builder.direct_ingress_env) and
+           the benchmark talks to the replica on http://127.0.0.1:8200, as
+           `rayvllm serve` serves; with proxy, to Serve's proxy on
            http://127.0.0.1:8000. Ready when GET /health is 200 and GET
            /v1/models lists a model. Stopped with SIGINT to its process group
            (Serve shuts down), then every process left in its session is
@@ -118,8 +122,10 @@ except ImportError:  # pragma: no cover - the project environment has it
     raise SystemExit("bench/serving.py needs aiohttp (pip install aiohttp)") from None
 
 SERVERS = ("rayvllm", "vllm")
-# serve_app's HTTP proxy listens on Serve's default port.
-RAYVLLM_PORT = 8000
+# serve_app's HTTP proxy listens on Serve's default port; with direct
+# ingress the replica answers on its own port too (not the tests' 8100).
+RAYVLLM_PROXY_PORT = 8000
+RAYVLLM_DIRECT_PORT = 8200
 DEFAULT_VLLM_PORT = 8100
 # A rate is "sustained" when the departure rate reaches this share of it.
 SUSTAINED_FRACTION = 0.9
@@ -438,13 +444,20 @@ def rayvllm_launch(model: str, args: argparse.Namespace) -> ServerLaunch:
         if "=" not in item:
             raise SystemExit(f"--rayvllm-arg wants KEY=VALUE, got {item!r}")
         app_args.append(item)
+    env = dict(os.environ)
+    port = RAYVLLM_PROXY_PORT
+    if args.rayvllm_ingress == "direct":
+        from rayvllm.entrypoints.serve_builder import direct_ingress_env
+
+        env |= direct_ingress_env(RAYVLLM_DIRECT_PORT)
+        port = RAYVLLM_DIRECT_PORT
     return ServerLaunch(
         name="rayvllm",
         # --address local: a fresh local cluster, never someone else's `ray start` cluster.
         argv=[serve, "run", "--address", "local", "serve_app:build_app", *app_args],
-        env=dict(os.environ),
+        env=env,
         cwd=str(REPO_ROOT),
-        port=RAYVLLM_PORT,
+        port=port,
         stop_signal=signal.SIGINT,
         ray_stop=True,
     )
@@ -1051,6 +1064,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="max_num_seqs for both launched servers")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="vLLM --max-model-len (default: the model's max_position_embeddings)")
+    p.add_argument("--rayvllm-ingress", choices=("direct", "proxy"), default="direct",
+                   help="talk to the replica itself (Serve's direct ingress) or through Serve's proxy")
     p.add_argument("--rayvllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra `serve run serve_app:build_app` argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARGS",

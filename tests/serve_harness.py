@@ -1,5 +1,7 @@
 """Start and stop a real `serve run` (or `rayvllm serve`) in a subprocess
-for the integration tests; the app answers on http://127.0.0.1:8000."""
+for the integration tests; the app answers on http://127.0.0.1:8000 through
+Serve's proxy, and with `DIRECT_ENV` also on http://127.0.0.1:8100 straight
+from the replica (Serve's direct ingress)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,13 @@ from pathlib import Path
 
 import requests
 
+from rayvllm.entrypoints.serve_builder import direct_ingress_env
+
 REPO = Path(__file__).resolve().parent.parent
 BASE_URL = "http://127.0.0.1:8000"
+DIRECT_PORT = 8100
+DIRECT_URL = f"http://127.0.0.1:{DIRECT_PORT}"
+DIRECT_ENV = direct_ingress_env(DIRECT_PORT)
 START_TIMEOUT_S = 240.0
 
 
@@ -22,8 +29,10 @@ class ServeProcess:
     """A server process in its own process group. Invariant: after `stop`
     the group is gone, and with it the local Ray cluster `serve run` began."""
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 base_url: str = BASE_URL) -> None:
+        self.base_url = base_url
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -42,8 +51,8 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                health = requests.get(f"{BASE_URL}/health", timeout=5)
-                models = requests.get(f"{BASE_URL}/v1/models", headers=headers, timeout=5)
+                health = requests.get(f"{self.base_url}/health", timeout=5)
+                models = requests.get(f"{self.base_url}/v1/models", headers=headers, timeout=5)
                 if health.status_code == 200 and models.status_code == 200:
                     return
             except requests.RequestException:
@@ -58,7 +67,7 @@ class ServeProcess:
     def stop(self) -> None:
         """Ctrl-C to the server (it shuts Serve and its local Ray down), a
         kill of its process group if it hangs, then wait until nothing
-        listens on :8000 any more, so the next server cannot meet this one."""
+        listens on its ports any more, so the next server cannot meet this one."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -72,9 +81,10 @@ class ServeProcess:
         self.proc.wait()
         self._log.close()
         deadline = time.monotonic() + 60
-        while _port_open(8000):
-            assert time.monotonic() < deadline, "port 8000 still served after the server stopped"
-            time.sleep(0.5)  # waiting for another process's socket to close
+        for port in (8000, 8001, DIRECT_PORT):
+            while _port_open(port):
+                assert time.monotonic() < deadline, f"port {port} still served after the server stopped"
+                time.sleep(0.5)  # waiting for another process's socket to close
 
 
 def _port_open(port: int) -> bool:
@@ -83,6 +93,9 @@ def _port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def serve_run(args: list[str], log_path: Path) -> ServeProcess:
+def serve_run(args: list[str], log_path: Path, direct: bool = False) -> ServeProcess:
+    """`serve run`; `direct`: with Serve's direct ingress, waiting on the replica's own port."""
     serve = str(Path(sys.executable).with_name("serve"))
+    if direct:
+        return ServeProcess([serve, "run", *args], log_path, env=DIRECT_ENV, base_url=DIRECT_URL)
     return ServeProcess([serve, "run", *args], log_path)

@@ -1,6 +1,10 @@
 """The real app under `serve run`, spoken to with the official `openai`
 package and raw HTTP: parity with the offline engine, streaming framing,
-exact usage, errors, API key, metrics, disconnects and the Python handles."""
+exact usage, errors, API key, metrics, disconnects and the Python handles.
+
+The server runs with Serve's direct ingress and the tests talk to the
+replica's own port: the fast path that `rayvllm serve` uses and the
+benchmarks measure. test_serve_entrypoints covers the proxy path on :8000."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ openai = pytest.importorskip("openai")
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.tokenizer import get_tokenizer  # noqa: E402
 
-from serve_harness import BASE_URL, REPO, ServeProcess, serve_run  # noqa: E402
+from serve_harness import DIRECT_URL as BASE_URL, REPO, ServeProcess, serve_run  # noqa: E402
 
 KEY = "sk-rayvllm-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,6 +40,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
          f"max_pending_requests={MAX_PENDING}", *args],
         tmp_path_factory.mktemp("serve") / "serve.log",
+        direct=True,
     )
     try:
         proc.wait_ready(headers=AUTH)

@@ -66,6 +66,8 @@ def test_rayvllm_serve_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
         proc.wait_ready()
         models = requests.get(f"{BASE_URL}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["cli-model"]
+        # Direct ingress: the replica holds :8000 and Serve's proxy moved to :8001.
+        assert requests.get("http://127.0.0.1:8001/v1/models", timeout=10).json() == models
         r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "cli-model", "prompt": "Hi", "max_tokens": 3},
                           timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

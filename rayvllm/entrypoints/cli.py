@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -56,7 +57,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, build_app
+    from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, build_app, direct_ingress_env
 
     args = engine_args_from(ns).model_dump(exclude_unset=True)
     if ns.api_key is not None:
@@ -64,8 +65,16 @@ def _serve(ns: argparse.Namespace) -> int:
     if ns.max_pending_requests is not None:
         args["max_pending_requests"] = ns.max_pending_requests
     app = build_app(args)
-    ray.init(address=ns.address)
-    serve.start(http_options={"host": ns.host, "port": ns.port})
+    if ns.address is None and ns.direct_ingress:
+        # This command starts the cluster, so it can give it the settings
+        # that put the replica itself on --port (the proxy moves aside).
+        os.environ.update(direct_ingress_env(ns.port, ns.host))
+        ray.init(address="local")
+        proxy_port = ns.proxy_port if ns.proxy_port is not None else ns.port + 1
+    else:
+        ray.init(address=ns.address)
+        proxy_port = ns.port
+    serve.start(http_options={"host": ns.host, "port": proxy_port})
     serve.run(app, name=DEFAULT_APP_NAME, route_prefix="/", blocking=True)
     return 0
 
@@ -85,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API with Ray Serve")
     srv.add_argument("--host", default="0.0.0.0")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--address", default=None, help="Ray cluster address (default: find one or start one)")
+    srv.add_argument("--address", default=None,
+                     help="join this Ray cluster ('auto': the one running here); default: start a local one")
+    srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=True,
+                     help="on a cluster this command starts, the replica answers --port itself, without "
+                          "Serve's proxy hop (default: on)")
+    srv.add_argument("--proxy-port", type=int, default=None,
+                     help="Serve's HTTP proxy port (default: --port + 1 with direct ingress, else --port)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API routes")
     srv.add_argument("--max-pending-requests", type=int, default=None,
                      help="answer 503 beyond this many unfinished requests")

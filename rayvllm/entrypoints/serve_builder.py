@@ -24,6 +24,25 @@ DEFAULT_APP_NAME = "default"
 DEMO_MODEL_NAME = "rayvllm-demo"
 
 
+def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """Environment for a Ray cluster whose LLMServer replica answers HTTP on
+    `port` itself (Ray Serve's direct ingress), so tokens stream from the
+    replica to the client without the proxy hop: on the 2-core dev box that
+    hop cost a quarter of the saturated throughput and doubled TTFT
+    (docs/BENCHMARKS.md). The variables must be in the environment of the
+    process that starts the cluster: the controller and the replicas read
+    them at start. Serve's proxy keeps running on its own port. One port
+    means one ingress replica per node, which is this app's shape (data
+    parallelism lives inside the engine)."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        # Exclusive bound: exactly `port`.
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        "RAY_SERVE_DEFAULT_HTTP_HOST": host,
+    }
+
+
 class ServerArgs(BaseModel):
     """Options of the server itself (not of the engine)."""
 
