@@ -120,13 +120,16 @@ def test_ray_backend_with_one_worker(ray_local: None, models: dict[str, Path]) -
         llm.shutdown()
 
 
-def test_ray_client_pipelined_steps_lose_nothing(ray_local: None, models: dict[str, Path]) -> None:
-    """The client keeps one step in flight: stats calls between steps, an
-    abort mid-run and an idle step after the end must not drop or duplicate a
-    token, and the aborted request's blocks must come back."""
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "pipelined"])
+def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path], async_scheduling: bool) -> None:
+    """Either the SchedulerActor keeps the next step queued on the worker
+    (async scheduling) or the client keeps one step call in flight: stats
+    calls between steps, an abort mid-run and an idle step after the end must
+    not drop or duplicate a token, and the aborted request's blocks must
+    come back."""
     model_dir = models["llama-gqa"]
     prompts = _prompts()
-    llm = LLM(str(model_dir), distributed_executor_backend="ray", **ENGINE)
+    llm = LLM(str(model_dir), distributed_executor_backend="ray", async_scheduling=async_scheduling, **ENGINE)
     try:
         engine = llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
