@@ -7,10 +7,18 @@ build into pytest's tmp dirs, never into the repository.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in Triton's interpreter. `@triton.jit`
+    # reads the variable when it decorates, i.e. when a kernel module is first
+    # imported, and conftest is imported before any test module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
