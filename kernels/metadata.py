@@ -3,7 +3,8 @@ by every layer (so per-layer work is only the math)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +28,28 @@ class PrefillSeq:
 
 
 @dataclass
+class VarlenMetadata:
+    """The batch as the varlen GPU kernels (Triton, flash-attn) read it.
+
+    Sequence b owns query rows `[query_start_loc[b], query_start_loc[b+1])`
+    of the flat batch, at positions `seq_lens[b] - q_len_b + i`, and attends
+    causally to its first `seq_lens[b]` keys, all of which are in the cache
+    when attention runs (the step's own K/V are written first), position p
+    in block `block_table[b, p // block_size]`. The tensors live on the
+    kernels' device, so a forward reads no host value (which is what lets a
+    CUDA graph capture it); the two ints are host-side upper bounds that only
+    size launches.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    seq_start_loc: torch.Tensor  # [B+1] int32, cumulative seq_lens (flash-attn's cu_seqlens_k)
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """Invariants: the first `num_decode_tokens` tokens of the flat batch are
     decodes, one query per sequence, in the order of `decode_kv_index` rows;
@@ -44,7 +67,36 @@ class AttentionMetadata:
     decode_seq_rows: torch.Tensor | None = None  # [D] int64 rows of block_tables
     decode_ctx_lens: torch.Tensor | None = None  # [D] int64
     has_negative_slots: bool = False
+    # Set instead of the torch fields above when the backend runs varlen kernels.
+    varlen: VarlenMetadata | None = None
 
     @property
     def uses_block_tables(self) -> bool:
         return self.decode_seq_rows is not None
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "AttentionMetadata":
+        """A copy with `fn` applied to every tensor (e.g. a move to the device)."""
+
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        varlen = self.varlen
+        if varlen is not None:
+            varlen = replace(
+                varlen,
+                query_start_loc=fn(varlen.query_start_loc),
+                seq_lens=fn(varlen.seq_lens),
+                seq_start_loc=fn(varlen.seq_start_loc),
+                block_table=fn(varlen.block_table),
+            )
+        return replace(
+            self,
+            slot_mapping=fn(self.slot_mapping),
+            prefills=[replace(p, block_ids=opt(p.block_ids), mask=opt(p.mask)) for p in self.prefills],
+            decode_kv_index=opt(self.decode_kv_index),
+            decode_mask=opt(self.decode_mask),
+            block_tables=opt(self.block_tables),
+            decode_seq_rows=opt(self.decode_seq_rows),
+            decode_ctx_lens=opt(self.decode_ctx_lens),
+            varlen=varlen,
+        )

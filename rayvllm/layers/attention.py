@@ -1,17 +1,19 @@
-"""Paged attention layer: writes the step's K/V to the cache, then attends."""
+"""Paged attention layer: writes the step's K/V to the cache, then attends,
+both through the runner's attention backend (kernels/backends.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from rayvllm.kernels.backends import AttentionBackend
 from rayvllm.kernels.metadata import AttentionMetadata
-from rayvllm.kernels.reference import paged_attention, reshape_and_cache
 
 
 class Attention(nn.Module):
-    """The KV cache tensors are bound by the model runner (`bind_kv_cache`)
-    after it sizes the pool; before that the layer cannot run."""
+    """The KV cache tensors and the backend that owns their layout are bound
+    by the model runner (`bind_kv_cache`) after it sizes the pool; before
+    that the layer cannot run."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -21,10 +23,12 @@ class Attention(nn.Module):
         self.scale = scale
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
 
-    def bind_kv_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor, backend: AttentionBackend) -> None:
         self.key_cache = key_cache
         self.value_cache = value_cache
+        self.backend = backend
 
     def forward(
         self,
@@ -35,9 +39,8 @@ class Attention(nn.Module):
         kv_written: bool = False,
     ) -> torch.Tensor:
         """`kv_written`: the caller's fused kernel already stored k/v in the cache."""
-        assert self.key_cache is not None, "KV cache not bound"
+        backend = self.backend
+        assert backend is not None, "KV cache not bound"
         if not kv_written:
-            reshape_and_cache(
-                k, v, self.key_cache, self.value_cache, metadata.slot_mapping, metadata.has_negative_slots
-            )
-        return paged_attention(q, k, v, self.key_cache, self.value_cache, metadata, self.scale)
+            backend.reshape_and_cache(k, v, self.key_cache, self.value_cache, metadata)
+        return backend.forward(q, k, v, self.key_cache, self.value_cache, metadata, self.scale)

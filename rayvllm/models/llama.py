@@ -197,16 +197,17 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
 
-    def optimize_for_cpu(self, use_c_kernels: bool) -> None:
+    def optimize_for_cpu(self, use_c_kernels: bool, fused_kv_write: bool = True) -> None:
         """After loading, for float32 on the CPU: transposed GEMM layouts (the
         LM head keeps both), and (when they built) the fused C kernels for
-        norms and RoPE + KV write."""
+        norms and, if the attention backend allows it (`fused_kv_write`),
+        RoPE + KV write."""
         for module in self.modules():
             if isinstance(module, (Linear, ParallelLMHead)):
                 module.use_transposed()
             elif use_c_kernels and isinstance(module, RMSNorm):
                 module.use_c_kernel = True
-            elif use_c_kernels and isinstance(module, LlamaAttention):
+            elif use_c_kernels and fused_kv_write and isinstance(module, LlamaAttention):
                 module.use_c_kernels = True
 
     def attention_layers(self) -> list[Attention]:

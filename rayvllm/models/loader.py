@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,23 +41,39 @@ def iterate_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, 
                 yield name, f.get_tensor(name).to(dtype)
 
 
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def load_model(
     model_dir: str,
     hf_config: dict,
     dtype: torch.dtype,
     device: str = "cpu",
     parallel: ParallelContext | None = None,
+    fused_kv_write: bool = True,
 ) -> LlamaForCausalLM:
-    """This rank's part of the model (all of it without `parallel`)."""
+    """This rank's part of the model (all of it without `parallel`).
+
+    Parameters are created in `dtype` on `device` directly: a float32
+    model converted afterwards would need twice the weights' memory on a
+    GPU for a moment. `fused_kv_write`: the attention backend lets the
+    float32 CPU model store K/V with its fused RoPE kernel."""
     archs = hf_config.get("architectures") or []
     cls = next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
     if cls is None:
         raise InvalidParameterError(
             "model", f"architectures {archs} not supported; supported: {', '.join(MODEL_REGISTRY)}"
         )
-    with torch.device(device):
+    with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config, dtype, parallel).to(dtype)
     model.load_weights(iterate_weights(Path(model_dir), dtype))
     if device == "cpu" and dtype == torch.float32:
-        model.optimize_for_cpu(use_c_kernels=cpu_ops.available())
+        model.optimize_for_cpu(use_c_kernels=cpu_ops.available(), fused_kv_write=fused_kv_write)
     return model.eval()

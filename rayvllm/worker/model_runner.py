@@ -3,6 +3,13 @@
 The runner mirrors the scheduler's view of each request in an `InputBatch`
 (full data arrives once, then deltas) and appends the tokens it samples
 itself, so a decode step needs nothing from the scheduler but block ids.
+
+The attention backend (kernels/backends.py) decides the KV cache layout and
+which attention metadata a step carries. On CUDA the runner also sizes the
+KV cache by profiling the largest step, and replays CUDA graphs for decode
+steps (cuda_graph.py). Host syncs per step on CUDA: the sampled ids'
+`.tolist()`, plus the sampler's uploads of per-request tensors when a row
+samples randomly or uses penalties, biases or logprobs (pageable copies).
 """
 
 from __future__ import annotations
@@ -20,13 +27,18 @@ from rayvllm.distributed.parallel_state import (
     send_to_next_stage,
 )
 from rayvllm.kernels import cpu_attention
-from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq
+from rayvllm.kernels.backends import select_attention_backend
+from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
+from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
+from rayvllm.sampling_params import SamplingParams
+from rayvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes
+from rayvllm.worker.gpu_memory import kv_cache_budget, profile_memory
 from rayvllm.worker.input_batch import CachedRequestState, InputBatch
 from rayvllm.worker.outputs import LogprobsLists, ModelRunnerOutput
 from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.worker.sampler import Sampler
-from rayvllm.worker.sampling_metadata import build_sampling_metadata
+from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 
@@ -61,22 +73,33 @@ class ModelRunner:
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
         )
         self.sampler = Sampler()
+        self.attn_backend = select_attention_backend(
+            self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend
+        )
+        self.on_cpu = self.device.type == "cpu"
         # The persistent block table, shared (not copied) with the decode kernel.
         self.block_table_tensor = torch.from_numpy(self.input_batch.block_table)
         self.use_c_decode = (
-            self.device.type == "cpu"
+            not self.attn_backend.uses_varlen_metadata
+            and self.on_cpu
             and self.dtype == torch.float32
             and cpu_attention.supports(self.model_config.head_dim, self.block_size)
         )
-        self.model: torch.nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_graphs: CudaGraphRunner | None = None
 
     # ---- setup -------------------------------------------------------------------
 
     def load_model(self) -> None:
         torch.manual_seed(self.model_config.seed)
         self.model = load_model(
-            self.model_config.model, self.model_config.hf_config, self.dtype, str(self.device), self.parallel
+            self.model_config.model,
+            self.model_config.hf_config,
+            self.dtype,
+            str(self.device),
+            self.parallel,
+            fused_kv_write=self.attn_backend.fused_cpu_kv_write,
         )
 
     def kv_bytes_per_block(self) -> int:
@@ -97,9 +120,9 @@ class ModelRunner:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = int(total * cc.gpu_memory_utilization) - used_by_others
+            # The profiling forward needs caches to point at: one block each.
+            self._bind_kv_caches(1)
+            budget = kv_cache_budget(profile_memory(self.device, self.profile_run), cc.gpu_memory_utilization)
         else:
             budget = _DEFAULT_CPU_KV_BYTES
         max_useful = self.config.scheduler_config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
@@ -112,19 +135,97 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Per layer: keys `[blocks, kv_heads, head_size, block_size]`, values
-        `[blocks, block_size, kv_heads, head_size]` (see kernels/reference.py)."""
+        """Allocate each layer's caches in the backend's layout, then (on
+        CUDA, unless `enforce_eager`) capture the decode graphs, which need
+        the caches' final addresses."""
+        self.kv_caches = self._bind_kv_caches(num_blocks)
+        if self._cuda_graphs_enabled():
+            self._capture_cuda_graphs()
+
+    def _bind_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert self.model is not None
-        self.kv_caches = []
+        caches = []
         # Zeroed, not empty: padded decode rows read unused slots, and NaN
         # garbage there would survive the mask as 0 * NaN.
         for layer in self.model.attention_layers():
-            k_shape = (num_blocks, layer.num_kv_heads, layer.head_dim, self.block_size)
-            v_shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            k_shape, v_shape = self.attn_backend.kv_cache_shapes(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
+            )
             k = torch.zeros(k_shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(v_shape, dtype=self.dtype, device=self.device)
-            layer.bind_kv_cache(k, v)
-            self.kv_caches.append((k, v))
+            layer.bind_kv_cache(k, v, self.attn_backend)
+            caches.append((k, v))
+        return caches
+
+    def _cuda_graphs_enabled(self) -> bool:
+        """Graphs are for single-rank CUDA workers whose backend can be
+        captured; collectives inside captured graphs are not supported here."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.attn_backend.supports_cuda_graphs
+            and self.parallel.tp_size == 1
+            and self.parallel.pp_size == 1
+        )
+
+    @torch.inference_mode()
+    def _capture_cuda_graphs(self) -> None:
+        assert self.model is not None
+        graphs = CudaGraphRunner(
+            self.model,
+            capture_sizes(self.config.scheduler_config.max_num_seqs),
+            self.input_batch.block_table.shape[1],
+            self.max_model_len,
+            self.device,
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler can send: `max_num_batched_tokens`
+        dummy tokens in up to `max_num_seqs` fresh sequences, then logits and
+        sampling (random, top-p, top-k, logprobs) for each sequence. Writes
+        no KV (slots of -1); attention reads only the null block."""
+        assert self.model is not None
+        sc = self.config.scheduler_config
+        num_tokens = sc.max_num_batched_tokens
+        num_seqs = max(min(sc.max_num_seqs, num_tokens), -(-num_tokens // self.max_model_len))
+        q_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        q_lens[: num_tokens % num_seqs] += 1
+        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        positions = np.arange(num_tokens) - np.repeat(cu_q[:-1], q_lens)
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+        if self.attn_backend.uses_varlen_metadata:
+            null_table = np.zeros((num_seqs, -(-int(q_lens.max()) // self.block_size)), dtype=np.int64)
+            metadata = AttentionMetadata(
+                slot_mapping=slots, num_decode_tokens=0, prefills=[],
+                varlen=self._varlen_metadata(q_lens, cu_q, q_lens, null_table),
+            )
+        else:
+            prefills = [
+                PrefillSeq(int(cu_q[i]), int(cu_q[i + 1]), int(q_lens[i]), None, None) for i in range(num_seqs)
+            ]
+            metadata = AttentionMetadata(
+                slot_mapping=slots, num_decode_tokens=0, prefills=prefills, has_negative_slots=True
+            )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64)
+        hidden = self._forward(input_ids, torch.from_numpy(positions), metadata)
+        if hidden is None:
+            return
+        last_rows = self._to_device(torch.from_numpy(cu_q[1:] - 1))
+        logits = self.model.compute_logits(hidden.index_select(0, last_rows))
+        if logits is None:
+            return
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=self.config.max_logprobs)
+        states = [RequestSamplingState(params) for _ in range(num_seqs)]
+        self.sampler(logits, build_sampling_metadata(states, logits.shape[-1]))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensors to the device; through pinned memory without waiting,
+        so input uploads do not stall the stream."""
+        return t if self.on_cpu else t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- one step ----------------------------------------------------------------
 
@@ -182,7 +283,8 @@ class ModelRunner:
         np.cumsum(q_lens, out=cu_q[1:])
         return _StepPlan(states, q_lens, starts, cu_q, len(decodes))
 
-    def _prepare_inputs(self, plan: _StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _flat_inputs(self, plan: _StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(batch rows per request, then per token: ids, positions, cache slots)."""
         batch = self.input_batch
         bs = self.block_size
         rows = np.fromiter((s.row for s in plan.states), np.int64, len(plan.states))
@@ -191,7 +293,44 @@ class ModelRunner:
         positions = np.repeat(plan.starts - plan.cu_q[:-1], plan.q_lens) + np.arange(total)
         input_ids = batch.token_ids[token_rows, positions]
         slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        return rows, input_ids, positions, slots
 
+    def _prepare_inputs(self, plan: _StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        rows, input_ids, positions, slots = self._flat_inputs(plan)
+        if self.attn_backend.uses_varlen_metadata:
+            seq_lens = plan.starts + plan.q_lens
+            width = -(-int(seq_lens.max()) // self.block_size)
+            metadata = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots),
+                num_decode_tokens=plan.num_decodes,
+                prefills=[],
+                varlen=self._varlen_metadata(
+                    plan.q_lens, plan.cu_q, seq_lens, self.input_batch.block_table[rows, :width]
+                ),
+            )
+        else:
+            metadata = self._torch_metadata(plan, rows, slots)
+        return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
+
+    @staticmethod
+    def _varlen_metadata(
+        q_lens: np.ndarray, cu_q: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray
+    ) -> VarlenMetadata:
+        """Host tensors (`_forward` moves them); `block_table` rows in batch order."""
+        seq_start_loc = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(seq_lens, out=seq_start_loc[1:])
+        return VarlenMetadata(
+            query_start_loc=torch.from_numpy(cu_q.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            seq_start_loc=torch.from_numpy(seq_start_loc),
+            block_table=torch.from_numpy(block_table.astype(np.int32)),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    def _torch_metadata(self, plan: _StepPlan, rows: np.ndarray, slots: np.ndarray) -> AttentionMetadata:
+        batch = self.input_batch
+        bs = self.block_size
         nd = plan.num_decodes
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots), num_decode_tokens=nd, prefills=[]
@@ -217,7 +356,7 @@ class ModelRunner:
             metadata.prefills.append(
                 PrefillSeq(int(plan.cu_q[i]), int(plan.cu_q[i + 1]), ctx, block_ids, mask)
             )
-        return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
+        return metadata
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -225,8 +364,10 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], None, {})
         plan = self._plan(so)
-        input_ids, positions, metadata = self._prepare_inputs(plan)
-        hidden = self._forward(input_ids, positions, metadata)
+        hidden = self._replay_decode(plan) if self.cuda_graphs is not None else None
+        if hidden is None:
+            input_ids, positions, metadata = self._prepare_inputs(plan)
+            hidden = self._forward(input_ids, positions, metadata)
         if hidden is None:
             return ModelRunnerOutput([], [], None, {})
 
@@ -247,11 +388,12 @@ class ModelRunner:
             return ModelRunnerOutput([], [], None, prompt_logprobs)
         sampled_states = [plan.states[i] for i in sample_idx]
         last_rows = torch.from_numpy(plan.cu_q[1:][sample_idx] - 1)
-        logits = self.model.compute_logits(hidden.index_select(0, last_rows.to(self.device)))
+        logits = self.model.compute_logits(hidden.index_select(0, self._to_device(last_rows)))
         if logits is None:  # a TP rank that only contributed its vocabulary shard
             return ModelRunnerOutput([], [], None, {})
         metadata_s = build_sampling_metadata(sampled_states, logits.shape[-1])
         out = self.sampler(logits, metadata_s)
+        # The step's one unavoidable sync: ids stay on the device until here.
         token_ids: list[int] = out.sampled_token_ids.tolist()
         for state, token in zip(sampled_states, token_ids):
             self.input_batch.append_token(state, token)
@@ -260,11 +402,24 @@ class ModelRunner:
             [s.req_id for s in sampled_states], token_ids, logprobs, prompt_logprobs
         )
 
+    def _replay_decode(self, plan: _StepPlan) -> torch.Tensor | None:
+        """Hidden states of a pure-decode step by CUDA graph replay; None if
+        the step has a prefill or more decodes than the largest graph."""
+        assert self.cuda_graphs is not None
+        n = len(plan.states)
+        if plan.num_decodes != n or not self.cuda_graphs.fits(n):
+            return None
+        rows, input_ids, positions, slots = self._flat_inputs(plan)
+        return self.cuda_graphs.run(
+            input_ids, positions, slots, plan.starts + 1, self.input_batch.block_table[rows]
+        )
+
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor | None:
-        """This stage's share of the forward; the last stage's hidden states,
-        or None on earlier stages (which pass theirs on)."""
+        """This stage's share of the forward (inputs and metadata on the
+        host); the last stage's hidden states, or None on earlier stages
+        (which pass theirs on)."""
         assert self.model is not None
         ctx = self.parallel
         intermediate = None
@@ -272,7 +427,9 @@ class ModelRunner:
             intermediate = recv_from_prev_stage(
                 input_ids.shape[0], self.model_config.hf_config["hidden_size"], self.dtype, self.device, ctx
             )
-        out = self.model(input_ids.to(self.device), positions.to(self.device), metadata, intermediate)
+        if not self.on_cpu:
+            metadata = metadata.map_tensors(self._to_device)
+        out = self.model(self._to_device(input_ids), self._to_device(positions), metadata, intermediate)
         if ctx.is_last_stage:
             return out
         send_to_next_stage(out[0], out[1], ctx)

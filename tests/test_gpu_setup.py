@@ -1,0 +1,76 @@
+"""GPU setup that can be checked on the CPU: the KV budget arithmetic, the
+profiling step itself, and the dtype rules for weights and KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayvllm import LLM
+from rayvllm.config import resolve_dtype
+from rayvllm.models.loader import load_model
+from rayvllm.worker.gpu_memory import MemoryProfile, kv_cache_budget
+
+GiB = 1 << 30
+
+
+def test_kv_cache_budget_arithmetic() -> None:
+    profile = MemoryProfile(total=80 * GiB, weights=16 * GiB, peak_activations=3 * GiB, non_torch=GiB)
+    # 90% of 80 GiB = 72 GiB, minus 16 + 3 + 1.
+    assert kv_cache_budget(profile, 0.9) == 52 * GiB
+    assert kv_cache_budget(profile, 0.2) == -4 * GiB  # nothing left: the caller refuses to start
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_profile_run_is_the_largest_step_and_writes_no_kv(
+    tiny_model_dir: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(
+        model=str(tiny_model_dir), attention_backend=backend, max_num_seqs=4, max_model_len=256,
+        max_num_batched_tokens=48, kv_cache_memory_bytes=8 << 20,
+    )
+    runner = llm.llm_engine.engine_core.executor.runner
+    seen: list[int] = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda ids, *a: seen.append(ids.shape[0]) or forward(ids, *a))
+    sampled: list[int] = []
+    sampler = runner.sampler
+    monkeypatch.setattr(runner, "sampler", lambda logits, md: sampled.append(logits.shape[0]) or sampler(logits, md))
+    runner.profile_run()
+    assert seen == [48] and sampled == [4]
+    assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+
+
+def test_auto_dtype_follows_the_checkpoint_on_cuda_only() -> None:
+    """vLLM's rule: half checkpoints stay half on CUDA, float32 stays float32,
+    and the CPU computes in float32 unless told otherwise."""
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", {"dtype": "float16"}, "cuda") == torch.float16
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == torch.float32
+    assert resolve_dtype("auto", {}, "cuda") == torch.float32
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cpu") == torch.float32
+    assert resolve_dtype("float16", {"torch_dtype": "float32"}, "cuda") == torch.float16
+
+
+def test_weights_are_created_in_the_target_dtype(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No transient float32 copy of the model (on a GPU that would need twice
+    the weights' memory): parameters are born bfloat16."""
+    from rayvllm.config import ModelConfig
+
+    created: list[torch.dtype] = []
+    empty = torch.empty
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        t = empty(*args, **kwargs)
+        created.append(t.dtype)
+        return t
+
+    config = ModelConfig.from_path(str(tiny_model_dir), None, "bfloat16", 256, 0, "cpu")
+    monkeypatch.setattr(torch, "empty", spy)
+    model = load_model(config.model, config.hf_config, torch.bfloat16)
+    monkeypatch.undo()
+    assert created and set(created) == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
