@@ -72,7 +72,15 @@ def _sampling_params(params: SamplingParams | dict[str, Any] | None) -> Sampling
 
 @serve.deployment(
     name="LLMServer",
-    ray_actor_options={"num_cpus": 0},
+    ray_actor_options={
+        "num_cpus": 0,
+        # Run the routes and the engine loop on the replica's own event loop
+        # rather than a second one in another thread: every SSE chunk then
+        # reaches the socket without a cross-thread hop. With direct ingress
+        # this took saturated throughput from ~720-760 to ~790 tok/s on the
+        # 2-core box (docs/BENCHMARKS.md).
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+    },
     # Each request is a long-lived coroutine; admission is the engine's
     # call (max_pending_requests), not a small Serve default.
     max_ongoing_requests=4096,
