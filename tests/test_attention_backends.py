@@ -1,6 +1,7 @@
-"""Attention backend selection, overrides, and the backends' plumbing on the
-CPU: the Triton backend end to end under Triton's interpreter, flash-attn's
-through a stand-in module (no GPU here; see the flash-attn tests' docstrings)."""
+"""Attention backend selection, overrides, and the backends' plumbing: the
+Triton backend end to end (under Triton's interpreter on a CPU-only machine,
+on the GPU where there is one), flash-attn's through a stand-in module (see
+those tests' docstrings), and real flash-attn where it is installed."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def test_engine_args_and_environment(monkeypatch: pytest.MonkeyPatch, tiny_model
     assert err.value.param == "attention_backend"
     monkeypatch.delenv(ATTENTION_BACKEND_ENV)
     with pytest.raises(InvalidParameterError, match="needs CUDA") as err:
-        LLM(model=str(tiny_model_dir), attention_backend="flash_attn", kv_cache_memory_bytes=8 << 20)
+        LLM(model=str(tiny_model_dir), attention_backend="flash_attn", device="cpu", kv_cache_memory_bytes=8 << 20)
     assert err.value.param == "attention_backend"
 
 
@@ -121,8 +122,8 @@ def _engine_tokens(model_dir: Path, backend: str, **kwargs: object) -> tuple[lis
 
 
 def test_triton_backend_matches_torch_and_transformers(tiny_model_dir: Path) -> None:
-    """Under the interpreter, the same greedy tokens as the torch backend,
-    which match transformers, through prefix hits and chunked prefill."""
+    """The same greedy tokens as the torch backend, which match transformers,
+    through prefix hits and chunked prefill (on CUDA also decode graphs)."""
     tokens, llm = _engine_tokens(tiny_model_dir, "triton")
     runner = llm.llm_engine.engine_core.executor.runner
     assert runner.attn_backend.name == "triton" and runner.kv_caches[0][0].shape[1] == 16  # NHD
@@ -160,7 +161,8 @@ def _stand_in_flash_attn(calls: list[dict]) -> types.ModuleType:
             kb = k[pages].reshape(-1, kv_heads, head_size)[:k_len].repeat_interleave(group, 1)
             vb = v[pages].reshape(-1, kv_heads, head_size)[:k_len].repeat_interleave(group, 1)
             scores = torch.einsum("qhd,khd->hqk", q[q0:q1], kb) * softmax_scale
-            visible = torch.arange(k_len)[None, :] <= torch.arange(q1 - q0)[:, None] + k_len - (q1 - q0)
+            keys, queries = torch.arange(k_len, device=q.device), torch.arange(q1 - q0, device=q.device)
+            visible = keys[None, :] <= queries[:, None] + k_len - (q1 - q0)
             weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[q0:q1] = torch.einsum("hqk,khd->qhd", weights, vb)
         return out
@@ -179,17 +181,18 @@ def test_flash_attn_backend_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn", _stand_in_flash_attn(calls))
     backend = FlashAttnBackend()
     assert backend.kv_layout is KVCacheLayout.NHD
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton writes the cache
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, head_size, block_size = 4, 2, 32, 256
     k_shape, v_shape = backend.kv_cache_shapes(6, block_size, kv_heads, head_size)
-    key_cache, value_cache = torch.zeros(k_shape), torch.zeros(v_shape)
+    key_cache, value_cache = torch.zeros(k_shape, device=device), torch.zeros(v_shape, device=device)
     # (context length, new tokens, blocks) per sequence.
     seqs = [(300, 1, [4, 2]), (262, 5, [1, 5]), (7, 7, [3])]
-    full_k = [torch.randn(n, kv_heads, head_size, generator=gen) for n, _, _ in seqs]
-    full_v = [torch.randn(n, kv_heads, head_size, generator=gen) for n, _, _ in seqs]
+    full_k = [torch.randn(n, kv_heads, head_size, generator=gen).to(device) for n, _, _ in seqs]
+    full_v = [torch.randn(n, kv_heads, head_size, generator=gen).to(device) for n, _, _ in seqs]
 
     def slots(blocks: list[int], positions: range) -> torch.Tensor:
-        return torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in positions])
+        return torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in positions], device=device)
 
     # The cached prefixes, as earlier steps would have written them.
     for (n, q_len, blocks), k, v in zip(seqs, full_k, full_v):
@@ -197,7 +200,7 @@ def test_flash_attn_backend_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
         backend.reshape_and_cache(k[: n - q_len], v[: n - q_len], key_cache, value_cache, prefix)
 
     q_lens = [q_len for _, q_len, _ in seqs]
-    query = torch.randn(sum(q_lens), heads, head_size, generator=gen)
+    query = torch.randn(sum(q_lens), heads, head_size, generator=gen).to(device)
     new_k = torch.cat([k[n - q_len :] for (n, q_len, _), k in zip(seqs, full_k)])
     new_v = torch.cat([v[n - q_len :] for (n, q_len, _), v in zip(seqs, full_v)])
     step_slots = torch.cat([slots(blocks, range(n - q_len, n)) for n, q_len, blocks in seqs])
@@ -206,10 +209,10 @@ def test_flash_attn_backend_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
         num_decode_tokens=1,
         prefills=[],
         varlen=VarlenMetadata(
-            query_start_loc=torch.tensor([0, 1, 6, 13], dtype=torch.int32),
-            seq_lens=torch.tensor([300, 262, 7], dtype=torch.int32),
-            seq_start_loc=torch.tensor([0, 300, 562, 569], dtype=torch.int32),
-            block_table=torch.tensor([[4, 2], [1, 5], [3, 0]], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1, 6, 13], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([300, 262, 7], dtype=torch.int32, device=device),
+            seq_start_loc=torch.tensor([0, 300, 562, 569], dtype=torch.int32, device=device),
+            block_table=torch.tensor([[4, 2], [1, 5], [3, 0]], dtype=torch.int32, device=device),
             max_query_len=7,
             max_seq_len=300,
         ),
@@ -230,7 +233,8 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     group = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    visible = torch.arange(k.shape[0])[None, :] <= torch.arange(q.shape[0])[:, None] + k.shape[0] - q.shape[0]
+    keys, queries = torch.arange(k.shape[0], device=q.device), torch.arange(q.shape[0], device=q.device)
+    visible = keys[None, :] <= queries[:, None] + k.shape[0] - q.shape[0]
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", weights, v).float()
 
@@ -252,3 +256,24 @@ def test_flash_attn_backend_in_the_engine(tiny_model_dir: Path, monkeypatch: pyt
         tokens[backend] = _greedy(llm, prompts, 4)
     assert tokens["flash_attn"] == tokens["torch"]
     assert any(len(c["cu_q"]) == 4 and c["cu_k"][-1] > 256 for c in calls)  # mixed steps, pages crossed
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not backends._importable("flash_attn"), reason="needs CUDA and flash-attn"
+)
+def test_real_flash_attn_close_to_triton(tiny_model_dir: Path) -> None:
+    """flash-attn itself (bfloat16, 256-slot pages): its greedy logprobs stay
+    close to the Triton backend's on the same prompts."""
+    prompts = [[(31 * i) % 3900 + 5 for i in range(n)] for n in (40, 3, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+    outs = {}
+    for backend in ("flash_attn", "triton"):
+        llm = LLM(
+            model=str(tiny_model_dir), attention_backend=backend, dtype="bfloat16", block_size=256,
+            max_num_seqs=4, max_model_len=512, kv_cache_memory_bytes=64 << 20,
+        )
+        outs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for flash, triton in zip(outs["flash_attn"], outs["triton"]):
+        first = flash.outputs[0].token_ids[0]
+        assert first == triton.outputs[0].token_ids[0]
+        assert abs(flash.outputs[0].logprobs[0][first].logprob - triton.outputs[0].logprobs[0][first].logprob) < 0.05

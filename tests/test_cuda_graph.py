@@ -89,3 +89,28 @@ def test_decode_replay_matches_eager(tiny_model_dir: Path, monkeypatch: pytest.M
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["triton"] == tokens["torch"]
     assert replays == [4, 4, 2, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_graphs_match_eager_on_cuda(tiny_model_dir: Path) -> None:
+    """Captured graphs (1, 2, 4, 8 here) replay every decode step of the
+    staggered batch and give the eager run's greedy tokens."""
+    prompts = [{"prompt_token_ids": [(29 * i + j) % 3900 + 5 for j in range(6 + 9 * i)]} for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in (2, 3, 4, 5, 6)]
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(
+            model=str(tiny_model_dir), attention_backend="triton", enforce_eager=eager, max_num_seqs=8,
+            max_model_len=256, kv_cache_memory_bytes=8 << 20,
+        )
+        runner = llm.llm_engine.engine_core.executor.runner
+        assert (runner.cuda_graphs is None) == eager
+        replayed: list[int] = []
+        if not eager:
+            assert runner.cuda_graphs.sizes == [1, 2, 4, 8]
+            run = runner.cuda_graphs.run
+            runner.cuda_graphs.run = lambda ids, *a: replayed.append(len(ids)) or run(ids, *a)
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if not eager:
+            assert replayed == [5, 4, 3, 2, 1]
+    assert tokens[False] == tokens[True]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayvllm import LLM
+from rayvllm import LLM, SamplingParams
 from rayvllm.config import resolve_dtype
 from rayvllm.models.loader import load_model
-from rayvllm.worker.gpu_memory import MemoryProfile, kv_cache_budget
+from rayvllm.worker.gpu_memory import MemoryProfile, kv_cache_budget, profile_memory
 
 GiB = 1 << 30
 
@@ -74,3 +74,32 @@ def test_weights_are_created_in_the_target_dtype(tiny_model_dir: Path, monkeypat
     assert created and set(created) == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiled_kv_budget_on_cuda(tiny_model_dir: Path) -> None:
+    """The profile sees the weights, a nonzero activation peak and the CUDA
+    context; the engine then sizes its pool from it (no explicit budget)."""
+    llm = LLM(model=str(tiny_model_dir), max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5)
+    runner = llm.llm_engine.engine_core.executor.runner
+    profile = profile_memory(runner.device, runner.profile_run)
+    assert profile.total == torch.cuda.mem_get_info(runner.device)[1]
+    assert profile.weights > 0 and profile.peak_activations > 0 and profile.non_torch > 0
+    assert kv_cache_budget(profile, 0.5) > 0
+    assert llm.llm_engine.config.cache_config.num_blocks >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bfloat16_checkpoint_runs_in_bfloat16_on_cuda(tmp_path: Path) -> None:
+    """"auto" keeps a bfloat16 checkpoint in bfloat16 on CUDA: weights, KV
+    cache and the chosen GPU backend; tokens come out."""
+    from rayvllm.models.random_model import RandomModelSpec, build_random_model
+
+    model_dir = build_random_model(tmp_path / "bf16", RandomModelSpec(dtype="bfloat16"))
+    llm = LLM(model=str(model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    runner = llm.llm_engine.engine_core.executor.runner
+    assert runner.dtype == torch.bfloat16 and runner.attn_backend.name in ("triton", "flash_attn")
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+    out = llm.generate("hello ray", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
