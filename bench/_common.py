@@ -54,6 +54,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         dtype="float32",
         seed=0,
     ),
+    # Qwen3-0.6B's shape and RoPE settings (issue 5's GPU benchmark), random
+    # weights: 28 layers, 16 query / 8 KV heads of 128, tied embeddings,
+    # ~596M parameters (~1.2 GB in bfloat16). Build it with `device="cuda"`
+    # where one exists: initialising 0.6B values on a CPU takes a while.
+    "qwen3-0.6b": dict(
+        arch="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        extra=dict(rms_norm_eps=1e-6),
+        dtype="bfloat16",
+        seed=0,
+    ),
 }
 
 
@@ -68,15 +88,34 @@ def default_model_dir(preset: str) -> Path:
     return CACHE_DIR / f"bench-{preset}"
 
 
-def build_model(out: str | Path | None, preset: str = "llama25m") -> Path:
-    """Build (or reuse) the benchmark model for `preset`; returns its directory."""
+def build_model(out: str | Path | None, preset: str = "llama25m", device: str = "cpu") -> Path:
+    """Build (or reuse) the benchmark model for `preset`; returns its directory.
+
+    The seeded initialisation runs on `device` (a GPU fills 0.6B values in
+    a second); the same seed gives different weights on a CPU and a GPU,
+    which no benchmark here depends on. An existing directory is reused
+    whichever device built it. On CUDA the caching allocator is emptied
+    afterwards, so a parent that built the model leaves the GPU's memory to
+    the engine children it starts."""
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     ensure_repo_on_path()
+    import torch
+
     from rayvllm.models.random_model import RandomModelSpec, build_random_model
 
     path = Path(out) if out is not None else default_model_dir(preset)
-    return build_random_model(path, RandomModelSpec(**PRESETS[preset]))
+    with torch.device(device):
+        built = build_random_model(path, RandomModelSpec(**PRESETS[preset]))
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return built
+
+
+def default_dtype(device: str) -> str:
+    """The benchmarks' dtype when none is given: bfloat16 on CUDA, float32
+    elsewhere (the CPU kernels are float32 ones)."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def model_vocab_size(model_dir: str | Path) -> int:
@@ -170,13 +209,14 @@ def load_engine(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Construct `engine`'s offline LLM; returns (llm, its SamplingParams class, kwargs used).
 
-    rayvllm gets vLLM's knob names; vllm additionally float32, max_model_len
-    and enforce_eager=`vllm_eager`.
+    Both get vLLM's knob names; vllm additionally float32 and
+    enforce_eager=`vllm_eager`. Device and dtype come in `extra_kwargs`.
     """
     kwargs: dict[str, Any] = dict(
         model=model,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
     )
     if engine == "rayvllm":
@@ -185,7 +225,7 @@ def load_engine(
     elif engine == "vllm":
         from vllm import LLM, SamplingParams  # type: ignore[no-redef]
 
-        kwargs.update(dtype="float32", max_model_len=max_model_len, enforce_eager=vllm_eager, seed=0)
+        kwargs.update(dtype="float32", enforce_eager=vllm_eager, seed=0)
     else:
         raise ValueError(f"no offline LLM for engine {engine!r}")
     kwargs.update(extra_kwargs or {})

