@@ -170,14 +170,14 @@ class DecodeTimer:
 
 
 def time_decode(
-    llm: Any, sampling_params: Any, timer: DecodeTimer, batch: int, args: argparse.Namespace, vocab: int
+    llm: Any, sampling_params: Any, timer: DecodeTimer, batch: int, max_tokens: int, vocab: int,
+    args: argparse.Namespace,
 ) -> list[DecodeStep]:
-    """The timed pure-decode steps of `batch` fresh sequences (warmup dropped)."""
+    """The timed pure-decode steps of `batch` fresh sequences (warmup dropped);
+    `max_tokens` must outlast the prefill steps plus warmup and timed steps."""
     engine = llm.llm_engine
     rng = random.Random(f"roofline-{args.seed}-{batch}")
-    params = sampling_params(
-        temperature=0.0, ignore_eos=True, max_tokens=args.max_model_len - args.context_len
-    )
+    params = sampling_params(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, {"prompt_token_ids": random_ids(rng, args.context_len, vocab)}, params)
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Room for the timed steps plus the chunked-prefill steps, in which early
     # sequences already decode; one block of slack.
     prefill_steps = -(-max(batches) * args.context_len // args.max_num_batched_tokens) + 1
-    args.max_model_len = args.context_len + args.warmup_steps + args.steps + prefill_steps + 16
+    max_tokens = args.warmup_steps + args.steps + prefill_steps + 16
 
     bandwidth = copy_bandwidth(device, args.copy_mib)
     weight_bytes = weight_bytes_per_step(model, dtype)
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model,
         max_num_seqs=max(batches),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
+        max_model_len=args.context_len + max_tokens,
         enable_prefix_caching=False,
         extra_kwargs=extra,
     )
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         graphs = runner.cuda_graphs is not None
         timer = DecodeTimer(runner, device)
         results = [
-            summarise(b, time_decode(llm, sampling_params, timer, b, args, vocab), weight_bytes,
+            summarise(b, time_decode(llm, sampling_params, timer, b, max_tokens, vocab, args), weight_bytes,
                       kv_bytes_per_token, bandwidth)
             for b in batches
         ]
