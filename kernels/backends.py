@@ -147,20 +147,41 @@ def _varlen(metadata: AttentionMetadata) -> VarlenMetadata:
     return metadata.varlen
 
 
-class TritonBackend(AttentionBackend):
-    """NHD caches (a key's head_size values contiguous, so a tile's loads
-    coalesce on the GPU); slots of -1 are skipped inside the write kernel."""
+class _NHDTritonWriteBackend(AttentionBackend):
+    """The GPU backends' shared half: NHD caches (a key's head_size values
+    contiguous, so a tile's loads coalesce on the GPU), varlen metadata, and
+    the Triton store kernel, which skips slots of -1 itself."""
 
-    name = "triton"
     kv_layout = KVCacheLayout.NHD
     uses_varlen_metadata = True
     supports_cuda_graphs = True
     fused_cpu_kv_write = False
 
     def __init__(self) -> None:
-        from rayvllm.kernels import triton_attention, triton_kv_cache
+        from rayvllm.kernels import triton_kv_cache
 
         self._write = triton_kv_cache.reshape_and_cache
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        self._write(key, value, key_cache, value_cache, metadata.slot_mapping, self.kv_layout)
+
+
+class TritonBackend(_NHDTritonWriteBackend):
+    """Triton's varlen paged-attention kernel over the NHD caches."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from rayvllm.kernels import triton_attention
+
         self._attend = triton_attention.paged_attention
 
     @classmethod
@@ -174,16 +195,6 @@ class TritonBackend(AttentionBackend):
         if device_type not in ("cuda", "cpu"):
             return f"Triton does not run on {device_type!r}"
         return None
-
-    def reshape_and_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> None:
-        self._write(key, value, key_cache, value_cache, metadata.slot_mapping, self.kv_layout)
 
     def forward(
         self,
@@ -218,7 +229,7 @@ _FLASH_MAX_HEAD_SIZE = 256
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(_NHDTritonWriteBackend):
     """flash-attn 2's public `flash_attn_varlen_func(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, ..., causal, block_table)`:
     with a block table, `k`/`v` are the NHD caches and `cu_seqlens_k` the
@@ -228,18 +239,12 @@ class FlashAttnBackend(AttentionBackend):
     `cu_seqlens_k`; the `flash_attn` package does not accept it.)"""
 
     name = "flash_attn"
-    kv_layout = KVCacheLayout.NHD
-    uses_varlen_metadata = True
-    supports_cuda_graphs = True
-    fused_cpu_kv_write = False
 
     def __init__(self) -> None:
+        super().__init__()
         import flash_attn
 
-        from rayvllm.kernels import triton_kv_cache
-
         self._attend = flash_attn.flash_attn_varlen_func
-        self._write = triton_kv_cache.reshape_and_cache
 
     @classmethod
     def unavailable_reason(
@@ -258,16 +263,6 @@ class FlashAttnBackend(AttentionBackend):
         if not _importable("triton"):
             return "the triton package (which writes its KV cache) does not import"
         return None
-
-    def reshape_and_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> None:
-        self._write(key, value, key_cache, value_cache, metadata.slot_mapping, self.kv_layout)
 
     def forward(
         self,
