@@ -47,9 +47,10 @@ class SchedulerActor:
 
     def step(
         self, new_requests: list[list[EngineCoreRequest]], aborts: list[str]
-    ) -> list[EngineCoreOutput]:
+    ) -> tuple[list[EngineCoreOutput], float]:
         """Everything the engine loop has for the core, then one step: the
-        loop's single call per step."""
+        loop's single call per step. Returns the step's outputs and how long
+        the loop should hold its next call (`EngineCore.next_step_delay`)."""
         assert self.core is not None
         # Adds before aborts, as in AsyncLLM: an abort may name a request of
         # this same batch.
@@ -57,7 +58,8 @@ class SchedulerActor:
             self.core.add_requests(group)
         if aborts:
             self.core.abort_requests(aborts)
-        return self.core.step()
+        outputs = self.core.step()
+        return outputs, self.core.next_step_delay()
 
     def make_stats(self) -> SchedulerStats:
         assert self.core is not None

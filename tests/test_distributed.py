@@ -120,16 +120,23 @@ def test_ray_backend_with_one_worker(ray_local: None, models: dict[str, Path]) -
         llm.shutdown()
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "pipelined"])
-def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path], async_scheduling: bool) -> None:
+@pytest.mark.parametrize(
+    "async_scheduling,pace_steps", [(True, True), (True, False), (False, True)], ids=["paced", "async", "pipelined"]
+)
+def test_ray_client_steps_lose_nothing(
+    ray_local: None, models: dict[str, Path], async_scheduling: bool, pace_steps: bool
+) -> None:
     """Either the SchedulerActor keeps the next step queued on the worker
-    (async scheduling) or the client keeps one step call in flight: stats
-    calls between steps, an abort mid-run and an idle step after the end must
-    not drop or duplicate a token, and the aborted request's blocks must
-    come back."""
+    (async scheduling, its calls held by the StepPacer or not) or the client
+    keeps one step call in flight: stats calls between steps, an abort
+    mid-run and an idle step after the end must not drop or duplicate a
+    token, and the aborted request's blocks must come back."""
     model_dir = models["llama-gqa"]
     prompts = _prompts()
-    llm = LLM(str(model_dir), distributed_executor_backend="ray", async_scheduling=async_scheduling, **ENGINE)
+    llm = LLM(
+        str(model_dir), distributed_executor_backend="ray", async_scheduling=async_scheduling,
+        pace_steps=pace_steps, **ENGINE,
+    )
     try:
         engine = llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -146,6 +153,8 @@ def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path],
                 engine.abort_request(["3"])
             assert engine.engine_core.make_stats().num_running_reqs >= 0
         assert engine.step() == []  # the step left in flight at the end
+        # Only async scheduling with pacing holds calls (8 requests never fill max_num_seqs).
+        assert (engine.engine_core.held_s > 0.0) == (async_scheduling and pace_steps)
         stats = engine.engine_core.make_stats()
         assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
         expected = _single_process(model_dir)

@@ -9,8 +9,10 @@ the stages work on different steps at the same time.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.dp_router import DPRouter, RankLoad
@@ -18,8 +20,16 @@ from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.core.sched.scheduler import Scheduler, SchedulerStats
 from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine.step_pacer import StepPacer
 from rayvllm.executor.base import Executor, PendingOutput, create_executor
 from rayvllm.request import EngineCoreRequest, Request
+
+
+@dataclass
+class _InflightStep:
+    scheduler_output: SchedulerOutput
+    pending: PendingOutput
+    paced: bool  # its call was held back by `next_step_delay`
 
 
 class EngineCore:
@@ -63,7 +73,14 @@ class EngineCore:
             for rank in range(dp)
         ]
         self.router = DPRouter(dp, config.cache_config.block_size, self.prefix_index)
-        self.inflight: list[deque[tuple[SchedulerOutput, PendingOutput]]] = [deque() for _ in range(dp)]
+        self.inflight: list[deque[_InflightStep]] = [deque() for _ in range(dp)]
+        # Async scheduling (one step queued behind the running one) is what
+        # pacing tunes; pipeline stages are kept full instead.
+        paced = self.max_inflight == 2 and pc.pipeline_parallel_size == 1 and config.scheduler_config.pace_steps
+        self.pacers = [StepPacer() for _ in range(dp)] if paced else None
+        # When each rank's worker started the step now at the head of its queue.
+        self._head_started = [0.0] * dp
+        self._paced_call = False
         self.request_rank: dict[str, int] = {}
 
     @property
@@ -105,24 +122,48 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Fill each rank's pipeline, then take back its oldest step."""
+        paced, self._paced_call = self._paced_call, False
         for rank, scheduler in enumerate(self.schedulers):
             queue = self.inflight[rank]
             while len(queue) < self.max_inflight:
                 so = scheduler.schedule()
                 if so.is_empty and not so.finished_req_ids:
                     break
-                queue.append((so, self.executors[rank].execute_model_async(so)))
+                queue.append(_InflightStep(so, self.executors[rank].execute_model_async(so), paced))
                 if so.is_empty:
                     break
         outputs: list[EngineCoreOutput] = []
         for rank, scheduler in enumerate(self.schedulers):
             if self.inflight[rank]:
-                so, pending = self.inflight[rank].popleft()
-                outputs += scheduler.update_from_output(so, pending.result())
+                step = self.inflight[rank].popleft()
+                result = step.pending.result()
+                self._head_started[rank] = time.monotonic()
+                if self.pacers is not None:
+                    so = step.scheduler_output
+                    decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
+                    self.pacers[rank].observe(result, decode_only, step.paced)
+                outputs += scheduler.update_from_output(step.scheduler_output, result)
         for out in outputs:
             if out.finish_reason is not None:
                 self.request_rank.pop(out.request_id, None)
         return outputs
+
+    def next_step_delay(self) -> float:
+        """Seconds the caller should hold its next `step` call so requests
+        arriving meanwhile still make the step it schedules (StepPacer). 0
+        unless every rank has a step running and room for new requests:
+        with requests already waiting, a later call would gain nothing."""
+        if self.pacers is None:
+            return 0.0
+        now = time.monotonic()
+        delays = []
+        for rank, scheduler in enumerate(self.schedulers):
+            if not self.inflight[rank] or len(scheduler.waiting) or len(scheduler.running) >= scheduler.max_num_seqs:
+                return 0.0
+            delays.append(self.pacers[rank].delay(now - self._head_started[rank]))
+        delay = min(delays)
+        self._paced_call = delay > 0.0
+        return delay
 
     def make_stats(self) -> SchedulerStats:
         stats = [s.make_stats() for s in self.schedulers]

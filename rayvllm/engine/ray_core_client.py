@@ -17,12 +17,16 @@ OutputProcessor drops (it no longer knows the id).
 With async scheduling the SchedulerActor already keeps the next step queued
 on the workers while it answers, so the workers never wait for the loop;
 pipelining the calls as well would only queue every new request behind one
-more step (measured: TTFT up by a step). Then `step` is one plain call.
+more step (measured: TTFT up by a step). Then `step` is one plain call, sent
+no earlier than the actor's reply asked (`EngineCore.next_step_delay`, the
+StepPacer): shortly before the worker finishes the step it runs, so requests
+that arrive meanwhile make the next step.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -77,6 +81,8 @@ class RayEngineCoreClient:
         # answered while another call waited behind it; never both.
         self._inflight = False
         self._ready: list[EngineCoreOutput] | None = None
+        self._send_at = 0.0  # monotonic time before which no step call is sent
+        self.held_s = 0.0  # total time step calls were held for pacing
         # Called (on the stepping thread) right before a step is sent, so a
         # caller can hand over requests that arrived while it waited.
         self.before_send: Callable[[], None] | None = None
@@ -98,6 +104,10 @@ class RayEngineCoreClient:
                 outputs, self._ready = self._ready, None
             else:
                 if not self._inflight:
+                    hold = self._send_at - time.monotonic()
+                    if hold > 0.0:
+                        time.sleep(hold)
+                        self.held_s += hold
                     self._send_step()
                 outputs = self._recv_step()
             if self._pipelined:
@@ -116,7 +126,9 @@ class RayEngineCoreClient:
 
     def _recv_step(self) -> list[EngineCoreOutput]:
         self._inflight = False
-        return self.channel.recv()
+        outputs, delay = self.channel.recv()
+        self._send_at = time.monotonic() + delay
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
         """Stats as of the end of the step in flight."""
