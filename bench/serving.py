@@ -11,7 +11,8 @@ other (never two at once: this is a 2-core box), runs every rate against it and
 stops it, so the figures a ratio compares come from the same workload, client
 and machine state:
   rayvllm  `serve run --address local serve_app:build_app model=DIR
-           max_num_seqs=K [--rayvllm-arg KEY=VALUE ...]` from the repo root.
+           max_num_seqs=K disable_access_log=true [--rayvllm-arg KEY=VALUE ...]`
+           from the repo root (no access log, like vLLM's below).
            With --rayvllm-ingress direct (the default) the cluster starts
            with Serve's direct ingress (serve_builder.direct_ingress_env) and
            the benchmark talks to the replica on http://127.0.0.1:8200, as
@@ -439,7 +440,8 @@ def rayvllm_launch(model: str, args: argparse.Namespace) -> ServerLaunch:
     """`serve run` of serve_app:build_app from the repo root."""
     serve_exe = Path(sys.executable).with_name("serve")
     serve = str(serve_exe) if serve_exe.exists() else (shutil.which("serve") or "serve")
-    app_args = [f"model={model}", f"max_num_seqs={args.max_num_seqs}"]
+    # No access log line per request, as vLLM runs with --disable-uvicorn-access-log.
+    app_args = [f"model={model}", f"max_num_seqs={args.max_num_seqs}", "disable_access_log=true"]
     for item in args.rayvllm_arg:
         if "=" not in item:
             raise SystemExit(f"--rayvllm-arg wants KEY=VALUE, got {item!r}")

@@ -59,7 +59,7 @@ def test_rayvllm_serve_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
     cli = str(Path(sys.executable).with_name("rayvllm"))
     proc = ServeProcess(
         [cli, "serve", "--model", str(tiny_model_dir), "--served-model-name", "cli-model", "--max-model-len", "256",
-         "--kv-cache-memory-bytes", str(32 << 20)],
+         "--kv-cache-memory-bytes", str(32 << 20), "--disable-access-log"],
         tmp_path / "serve.log",
     )
     try:
@@ -73,3 +73,14 @@ def test_rayvllm_serve_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         proc.stop()
+
+
+def test_build_app_access_log_switch() -> None:
+    """`disable_access_log=true` (what `--disable-access-log` passes) turns
+    off Serve's per-request log line on the LLMServer deployment; by
+    default the deployment keeps Serve's logging as configured."""
+    from rayvllm.entrypoints.serve_builder import build_app
+
+    quiet = build_app({"disable_access_log": "true"})._bound_deployment._deployment_config.logging_config
+    assert quiet is not None and quiet["enable_access_log"] is False
+    assert build_app({})._bound_deployment._deployment_config.logging_config is None

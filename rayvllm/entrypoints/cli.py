@@ -64,6 +64,8 @@ def _serve(ns: argparse.Namespace) -> int:
         args["api_key"] = ns.api_key
     if ns.max_pending_requests is not None:
         args["max_pending_requests"] = ns.max_pending_requests
+    if ns.disable_access_log:
+        args["disable_access_log"] = True
     app = build_app(args)
     if ns.address is None and ns.direct_ingress:
         # This command starts the cluster, so it can give it the settings
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API routes")
     srv.add_argument("--max-pending-requests", type=int, default=None,
                      help="answer 503 beyond this many unfinished requests")
+    srv.add_argument("--disable-access-log", action="store_true",
+                     help="no per-request access log line from the replica")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
     return parser

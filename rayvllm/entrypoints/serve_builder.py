@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import LoggingConfig
 
 from rayvllm.engine_args import EngineArgs
 from rayvllm.errors import InvalidParameterError
@@ -50,6 +51,10 @@ class ServerArgs(BaseModel):
 
     api_key: str | None = None
     max_pending_requests: int | None = None
+    # Serve's per-request access log line (vLLM: --disable-uvicorn-access-log).
+    # Each line costs the replica and Ray's log monitor CPU that a small
+    # machine's forward needs.
+    disable_access_log: bool = False
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
@@ -72,7 +77,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if engine.model is None:
         given["model"] = str(demo_model_path())
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
-    return LLMServer.bind(  # type: ignore[attr-defined]
+    deployment = LLMServer
+    if server.disable_access_log:
+        deployment = LLMServer.options(logging_config=LoggingConfig(enable_access_log=False))  # type: ignore[attr-defined]
+    return deployment.bind(  # type: ignore[attr-defined]
         given,
         api_key=server.api_key,
         max_pending_requests=server.max_pending_requests,
