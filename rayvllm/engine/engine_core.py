@@ -78,7 +78,8 @@ class EngineCore:
         # pacing tunes; pipeline stages are kept full instead.
         paced = self.max_inflight == 2 and pc.pipeline_parallel_size == 1 and config.scheduler_config.pace_steps
         self.pacers = [StepPacer() for _ in range(dp)] if paced else None
-        # When each rank's worker started the step now at the head of its queue.
+        # When each rank's worker started the step now at the head of its
+        # queue (kept only for the pacers).
         self._head_started = [0.0] * dp
         self._paced_call = False
         self.request_rank: dict[str, int] = {}
@@ -137,8 +138,8 @@ class EngineCore:
             if self.inflight[rank]:
                 step = self.inflight[rank].popleft()
                 result = step.pending.result()
-                self._head_started[rank] = time.monotonic()
                 if self.pacers is not None:
+                    self._head_started[rank] = time.monotonic()
                     so = step.scheduler_output
                     decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
                     self.pacers[rank].observe(result, decode_only, step.paced)
