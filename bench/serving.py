@@ -44,7 +44,10 @@ max_tokens = --output-len, ignore_eos, temperature 0, `stream: true` and
 seeded by (--seed, rate): identical for every server at a rate, but fresh for
 each rate, so a prefix cache never hits across runs (each run would otherwise
 find the previous run's prompts cached and its TTFT would shrink for that
-reason alone). A warmup of --warmup-prompts concurrent requests precedes the
+reason alone). --prompt-seed (default: --seed) reseeds the prompts alone:
+repeated runs against one live --url server then keep the same arrivals
+while the prefix cache still never hits, so an A/B of a server-side change
+is not a comparison of two different arrival patterns. A warmup of --warmup-prompts concurrent requests precedes the
 first rate on each server.
 
 Arrivals: a Poisson process at each rate of --request-rates ("inf" = all
@@ -736,13 +739,14 @@ async def bench_server(
     flagged (its requests may have gone to the other server).
     """
     url = base_url + "/v1/completions"
+    prompt_seed = args.seed if args.prompt_seed is None else args.prompt_seed
     # limit=0: aiohttp's default pool of 100 connections would cap concurrency.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     runs: list[dict[str, Any]] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if args.warmup_prompts > 0:
-            warm = make_prompts(args.warmup_prompts, args.input_len, vocab, args.seed, "warmup")
+            warm = make_prompts(args.warmup_prompts, args.input_len, vocab, prompt_seed, "warmup")
             t0 = time.perf_counter()
             results, _ = await run_requests(
                 session, url, model_name, warm, min(WARMUP_OUTPUT_TOKENS, args.output_len),
@@ -756,7 +760,7 @@ async def bench_server(
         for rate in rates:
             seen: set[str] = set()
             watcher = asyncio.create_task(_watch_port(intruders, seen)) if intruders else None
-            prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed, f"rate-{rate_label(rate)}")
+            prompts = make_prompts(args.num_prompts, args.input_len, vocab, prompt_seed, f"rate-{rate_label(rate)}")
             offsets = arrival_offsets(len(prompts), rate, random.Random(f"arrivals-{args.seed}-{rate_label(rate)}"))
             try:
                 results, duration = await run_requests(
@@ -1061,6 +1065,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rates", default="2,4,8,16,inf", help="comma-separated requests/s; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-seed", type=int, default=None, help="seed of the prompts alone (default: --seed)")
     p.add_argument("--warmup-prompts", type=int, default=8, help="concurrent warmup requests per server (0: none)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it fails")
     p.add_argument("--max-num-seqs", type=int, default=256, help="max_num_seqs for both launched servers")

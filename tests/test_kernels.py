@@ -181,3 +181,58 @@ def test_fused_rope_and_cache_matches_torch(heads: int, kv_heads: int, head_size
     written = torch.zeros(40, dtype=torch.bool)
     written[slots[keep]] = True
     assert torch.isnan(gather_keys(key_cache, torch.arange(40)[~written])).all()
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 200, 421])
+@pytest.mark.parametrize("n,k", [(32, 7), (50, 288), (864, 288), (288, 768)])
+def test_packed_gemm_matches_float64(m: int, n: int, k: int) -> None:
+    """Row counts around the microkernel's block (12) and row chunk (192),
+    a padded last tile (50 = 32 + 18) and an odd K."""
+    from rayvllm.kernels import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    packed = cpu_gemm.pack_weight(weight)
+    assert packed.shape == (-(-n // cpu_gemm.TILE), k, cpu_gemm.TILE)
+    got = cpu_gemm.gemm(x, packed, n)
+    assert got.shape == (m, n)
+    expected = (x.double() @ weight.double().t()).float()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_linear_layers_keep_one_cpu_weight_copy() -> None:
+    """After `optimize_for_cpu` a Linear keeps only its packed weight (with
+    the C kernel) or only its transposed one, and both give `F.linear`'s
+    result, bias included; the LM head keeps `weight` for large products."""
+    import torch.nn.functional as F
+
+    from rayvllm.distributed.parallel_state import ParallelContext
+    from rayvllm.kernels import cpu_gemm
+    from rayvllm.layers.linear import Linear
+    from rayvllm.layers.vocab_parallel import ParallelLMHead
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 40, generator=gen)
+    for use_c in (False, True):
+        layer = Linear(40, 70, bias=True)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(70, 40, generator=gen))
+            layer.bias.copy_(torch.randn(70, generator=gen))
+        expected = F.linear(x, layer.weight, layer.bias)
+        layer.optimize_for_cpu(use_c)
+        packed = use_c and cpu_gemm.available()
+        assert layer.weight is None
+        assert (layer.weight_packed is not None, layer.weight_t is not None) == (packed, not packed)
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+        head = ParallelLMHead(70, 40, ParallelContext())
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(70, 40, generator=gen))
+        head.optimize_for_cpu(use_c)
+        assert head.weight is not None and (head.weight_packed is not None) == packed
+        for rows in (1, 9, 300):
+            h = torch.randn(rows, 40, generator=gen)
+            torch.testing.assert_close(head(h), F.linear(h, head.weight), atol=1e-5, rtol=1e-5)

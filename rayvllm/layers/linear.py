@@ -5,10 +5,14 @@ is a `Linear` over this rank's slice of output features (the model's loader
 slices the weight). A row-parallel layer multiplies this rank's slice of
 input features and all-reduces the partial sums (`RowParallelLinear`).
 
-Checkpoints store weights as `[out, in]`. On the CPU, MKL multiplies a few
-rows by a transposed `[in, out]` copy 2-5x faster than by the `[out, in]`
-original (measured for 8-32 rows; equal at 64 and above), so after loading,
-CPU float32 layers keep only the transposed copy.
+Checkpoints store weights as `[out, in]`. After loading, CPU float32 layers
+keep one copy of the weight in the layout their GEMM reads fastest:
+packed column tiles for the C kernel (kernels/cpu_gemm.py) when it builds,
+otherwise a transposed `[in, out]` copy, which MKL multiplies by a few rows
+2-5x faster than the `[out, in]` original (measured for 8-32 rows; equal at
+64 and above). The packed kernel measured 1.3-1.6x faster than MKL's
+transposed path in decode steps (2-256 rows, weights cold in cache), 15%
+slower at one row and 5-10% slower at 1024-2048 rows (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayvllm.distributed.parallel_state import ParallelContext, tp_all_reduce
+from rayvllm.kernels import cpu_gemm
 
 
 class Linear(nn.Module):
-    """`y = x W^T + b` with `W` loaded as `[out, in]`; `use_transposed()`
-    switches to storing `W^T` contiguously and multiplying with `addmm`."""
+    """`y = x W^T + b` with `W` loaded as `[out, in]`; `optimize_for_cpu()`
+    replaces `W` by the packed or transposed copy (exactly one is kept)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -31,18 +36,33 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.weight_t: torch.Tensor | None = None
+        self.weight_packed: torch.Tensor | None = None
 
-    def use_transposed(self) -> None:
-        self.weight_t = self.weight.detach().t().contiguous()
-        # Release the [out, in] original; only the transposed copy is used now.
+    def optimize_for_cpu(self, use_c_kernels: bool) -> None:
+        if use_c_kernels and cpu_gemm.available():
+            self.weight_packed = cpu_gemm.pack_weight(self.weight)
+        else:
+            self.weight_t = self.weight.detach().t().contiguous()
+        # Release the [out, in] original; only the new copy is used now.
         self.weight = None  # type: ignore[assignment]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x W^T` without the bias."""
+        if self.weight_packed is not None:
+            return cpu_gemm.gemm(x, self.weight_packed, self.out_features)
+        if self.weight_t is not None:
             return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is not None and self.bias is not None:
+            return torch.addmm(self.bias, x, self.weight_t)
+        if self.weight_t is None and self.weight_packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self._matmul(x)
+        if self.bias is not None:
+            y += self.bias
+        return y
 
 
 class RowParallelLinear(Linear):
@@ -56,7 +76,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return super().forward(x)
-        y = torch.mm(x, self.weight_t) if self.weight_t is not None else F.linear(x, self.weight)
+        y = self._matmul(x)
         tp_all_reduce(y, self.parallel)
         if self.bias is not None:
             y += self.bias

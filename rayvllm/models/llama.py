@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         RoPE + KV write."""
         for module in self.modules():
             if isinstance(module, (Linear, ParallelLMHead)):
-                module.use_transposed()
+                module.optimize_for_cpu(use_c_kernels)
             elif use_c_kernels and isinstance(module, RMSNorm):
                 module.use_c_kernel = True
             elif use_c_kernels and fused_kv_write and isinstance(module, LlamaAttention):
