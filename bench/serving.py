@@ -47,8 +47,8 @@ find the previous run's prompts cached and its TTFT would shrink for that
 reason alone). --prompt-seed (default: --seed) reseeds the prompts alone:
 repeated runs against one live --url server then keep the same arrivals
 while the prefix cache still never hits, so an A/B of a server-side change
-is not a comparison of two different arrival patterns. A warmup of --warmup-prompts concurrent requests precedes the
-first rate on each server.
+is not a comparison of two different arrival patterns. A warmup of
+--warmup-prompts concurrent requests precedes the first rate on each server.
 
 Arrivals: a Poisson process at each rate of --request-rates ("inf" = all
 requests at once), seeded by (--seed, rate), with its gaps rescaled so the n

@@ -10,9 +10,10 @@ keep one copy of the weight in the layout their GEMM reads fastest:
 packed column tiles for the C kernel (kernels/cpu_gemm.py) when it builds,
 otherwise a transposed `[in, out]` copy, which MKL multiplies by a few rows
 2-5x faster than the `[out, in]` original (measured for 8-32 rows; equal at
-64 and above). The packed kernel measured 1.3-1.6x faster than MKL's
-transposed path in decode steps (2-256 rows, weights cold in cache), 15%
-slower at one row and 5-10% slower at 1024-2048 rows (docs/BENCHMARKS.md).
+64 and above). Over a step's products (`bench/gemm.py`, weights cold in
+cache) the packed kernel measured 1.3-1.7x faster than MKL's transposed path
+at 2-256 rows, 10% slower at one row and 6% slower at 1024 rows
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -55,14 +56,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None and self.bias is not None:
+        if self.bias is None:
+            return self._matmul(x)
+        if self.weight_packed is not None:
+            return self._matmul(x).add_(self.bias)
+        if self.weight_t is not None:
             return torch.addmm(self.bias, x, self.weight_t)
-        if self.weight_t is None and self.weight_packed is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self._matmul(x)
-        if self.bias is not None:
-            y += self.bias
-        return y
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
