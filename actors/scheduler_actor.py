@@ -15,7 +15,11 @@ from rayvllm.core.sched.scheduler import SchedulerStats
 from rayvllm.distributed.rpc_channel import ChannelServer
 from rayvllm.engine.core_output import EngineCoreOutput
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.request import EngineCoreRequest
+from rayvllm.engine.intake import IntakeStalledError, RequestIntake
+
+# A step call's intake messages were sent before it, on a connection to the
+# same actor; not seeing them within this long means that channel is broken.
+INTAKE_WAIT_S = 60.0
 
 
 def _one_thread() -> None:
@@ -32,34 +36,34 @@ class SchedulerActor:
         _one_thread()
         self.core: EngineCore | None = None
         self.channel: ChannelServer | None = None
+        self.intake = RequestIntake()
+        self.intake_channel: ChannelServer | None = None
 
     def start(self, config: EngineConfig) -> int:
         """Start every worker group; returns the KV blocks per DP rank."""
         self.core = EngineCore(config)
         return config.cache_config.num_blocks
 
-    def open_channel(self) -> tuple[tuple[str, int], bytes]:
-        """Serve `step` and `make_stats` on a direct channel (the engine
-        loop's per-step path); returns its address and key. From then on
-        the core is touched only from the channel's thread."""
-        self.channel = ChannelServer(self, ray.util.get_node_ip_address(), on_thread_start=_one_thread)
-        return self.channel.address, self.channel.authkey
+    def open_channels(self) -> list[tuple[tuple[str, int], bytes]]:
+        """Open the engine loop's two direct channels and return their
+        addresses and keys: the step channel (`step`, `make_stats`; from
+        then on the core is touched only from its thread) and the one-way
+        intake channel, which takes adds and aborts into `self.intake` the
+        moment the loop has them, even while a step runs."""
+        host = ray.util.get_node_ip_address()
+        self.channel = ChannelServer(self, host, on_thread_start=_one_thread)
+        self.intake_channel = ChannelServer(self.intake, host, one_way=True)
+        return [(c.address, c.authkey) for c in (self.channel, self.intake_channel)]
 
-    def step(
-        self, new_requests: list[list[EngineCoreRequest]], aborts: list[str]
-    ) -> tuple[list[EngineCoreOutput], float]:
-        """Everything the engine loop has for the core, then one step: the
-        loop's single call per step. Returns the step's outputs and how long
-        the loop should hold its next call (`EngineCore.next_step_delay`)."""
-        assert self.core is not None
-        # Adds before aborts, as in AsyncLLM: an abort may name a request of
-        # this same batch.
-        for group in new_requests:
-            self.core.add_requests(group)
-        if aborts:
-            self.core.abort_requests(aborts)
-        outputs = self.core.step()
-        return outputs, self.core.next_step_delay()
+    def step(self, intake_count: int) -> list[EngineCoreOutput]:
+        """One engine step, once the first `intake_count` intake messages
+        (everything the loop sent before this call) have arrived."""
+        assert self.core is not None and self.intake_channel is not None
+        try:
+            self.intake.wait_for(intake_count, INTAKE_WAIT_S)
+        except IntakeStalledError as e:
+            raise IntakeStalledError(f"{e}; the intake channel's error: {self.intake_channel.error!r}") from None
+        return self.core.step(self.intake)
 
     def make_stats(self) -> SchedulerStats:
         assert self.core is not None
@@ -70,8 +74,9 @@ class SchedulerActor:
         self.core.check_health()
 
     def shutdown(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
+        for channel in (self.channel, self.intake_channel):
+            if channel is not None:
+                channel.close()
         if self.core is not None:
             self.core.shutdown()
             self.core = None

@@ -23,7 +23,6 @@ Ray processes or vLLM engine core cannot disturb the next, and die with it:
   ray     rayvllm.LLM(distributed_executor_backend="ray"), TP=1 (async
           scheduling on, its default there).
   ray-sync  the same with async_scheduling=False.
-  ray-paced  the same with pace_steps=True (the serving default).
   vllm    vLLM's CPU build in the peer virtualenv (bench/setup_peers.sh),
           float32, with bench/throughput.py's vLLM environment
           (VLLM_CPU_NUM_OF_RESERVED_CPU=0 etc.; see its --help). Each child
@@ -83,8 +82,6 @@ ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
     "ray": ("rayvllm", {"distributed_executor_backend": "ray"}),
     # The Ray path without async scheduling (its default there), for before/after.
     "ray-sync": ("rayvllm", {"distributed_executor_backend": "ray", "async_scheduling": False}),
-    # Async scheduling with step calls held by the StepPacer (LLM turns it off).
-    "ray-paced": ("rayvllm", {"distributed_executor_backend": "ray", "pace_steps": True}),
     "vllm": ("vllm", {}),
 }
 

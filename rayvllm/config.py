@@ -144,10 +144,6 @@ class SchedulerConfig:
     # Schedule step k+1 while step k is still on the workers (decodes are
     # scheduled against the token step k will sample); see Scheduler.
     async_scheduling: bool = False
-    # With async scheduling, hold each step call until shortly before the
-    # worker finishes its running step (StepPacer): new requests join the
-    # next step instead of the one after.
-    pace_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -47,10 +47,6 @@ class EngineArgs(BaseModel):
     # (the loop there would otherwise leave the worker idle while it
     # schedules); off in-process, where nothing would overlap.
     async_scheduling: bool | None = None
-    # Under async scheduling, hold each step call until shortly before the
-    # worker is free, so new requests make the next step (lower TTFT);
-    # false sends it at once (the worker's queue is filled a step ahead).
-    pace_steps: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -142,7 +138,6 @@ class EngineArgs(BaseModel):
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 async_scheduling=self._resolve_async_scheduling(parallel_config),
-                pace_steps=self.pace_steps,
             ),
             parallel_config=parallel_config,
             device=device,

@@ -174,16 +174,3 @@ def test_async_scheduling_defaults_by_executor(tiny_model_dir: Path) -> None:
     assert resolved(distributed_executor_backend="ray", async_scheduling=False) is False
     with pytest.raises(InvalidParameterError, match="async_scheduling"):
         resolved(pipeline_parallel_size=2, async_scheduling=True)
-
-
-def test_pace_steps_on_for_serving_off_offline(tiny_model_dir: Path) -> None:
-    """EngineArgs (what the server builds from) paces step calls; the
-    offline `LLM` turns pacing off unless asked, since its requests never
-    arrive mid-step."""
-    from rayvllm.engine_args import EngineArgs
-
-    assert EngineArgs(model=str(tiny_model_dir)).create_engine_config().scheduler_config.pace_steps is True
-    llm = LLM(str(tiny_model_dir), max_model_len=256)
-    assert llm.llm_engine.config.scheduler_config.pace_steps is False
-    llm = LLM(str(tiny_model_dir), max_model_len=256, pace_steps=True)
-    assert llm.llm_engine.config.scheduler_config.pace_steps is True

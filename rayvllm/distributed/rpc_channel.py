@@ -9,7 +9,9 @@ this channel blocks in the kernel while waiting and costs ~0.1 ms.
 
 The server runs calls one at a time, in arrival order, on its own thread, so
 a client may send several calls before reading the first reply (pipeline
-stages overlap that way). Replies come back in the same order.
+stages overlap that way). Replies come back in the same order. A one-way
+server sends no replies: its client only ever `send`s (the SchedulerActor's
+request intake, where a reply would cost the engine loop a wait).
 """
 
 from __future__ import annotations
@@ -37,10 +39,21 @@ def _no_delay(conn: Connection) -> None:
 class ChannelServer:
     """Serves `target.<method>(*args)` for one client. Invariant: at most one
     call runs at a time, on the server thread (`on_thread_start` runs there
-    first, e.g. to size that thread's OpenMP pool)."""
+    first, e.g. to size that thread's OpenMP pool). A one-way server that
+    meets a failing call keeps the exception in `error` and hangs up, so the
+    client's next send fails instead of its messages vanishing."""
 
-    def __init__(self, target: Any, host: str, on_thread_start: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        target: Any,
+        host: str,
+        on_thread_start: Callable[[], None] | None = None,
+        *,
+        one_way: bool = False,
+    ) -> None:
         self.target = target
+        self.one_way = one_way
+        self.error: BaseException | None = None
         self.authkey = secrets.token_bytes(32)
         self._listener = Listener((host, 0), authkey=self.authkey)
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
@@ -62,6 +75,14 @@ class ChannelServer:
                 method, args = conn.recv()
             except (EOFError, OSError):
                 return
+            if self.one_way:
+                try:
+                    getattr(self.target, method)(*args)
+                except BaseException as e:  # noqa: BLE001 - kept for the owner to report
+                    self.error = e
+                    conn.close()
+                    return
+                continue
             try:
                 reply: tuple[bool, Any] = (True, getattr(self.target, method)(*args))
             except BaseException as e:  # noqa: BLE001 - the client re-raises it

@@ -7,25 +7,25 @@ Threading invariant: the Processor, the OutputProcessor and the per-request
 queues are touched only on the event loop; the engine core only on one
 dedicated step thread, so a blocking step (a forward, or a channel round
 trip to the SchedulerActor) never stalls the HTTP server. New requests and
-aborts pass from the loop to that thread through `_intake`, a deque (atomic
-append/popleft), in arrival order; they reach the core between steps, never
-during one. On the Ray path they are taken as late as possible: right before
-the client sends the next step, which may be after it waited for the
-previous one, so a request arriving meanwhile is not a step late.
+aborts reach the core in arrival order. The Ray client takes them from the
+loop directly and sends them to the SchedulerActor at once, so one that
+arrives during a step can make the next (engine_core.py); for the
+in-process core they wait in a `RequestIntake` that the step thread drains
+between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.scheduler import SchedulerStats
 from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.llm_engine import make_engine_core
 from rayvllm.engine_args import EngineArgs
 from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError
@@ -33,7 +33,6 @@ from rayvllm.metrics import EngineMetrics
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.outputs import RequestOutput, RequestOutputKind
 from rayvllm.processor import Processor, PromptType
-from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
 
@@ -65,9 +64,11 @@ class AsyncLLM:
         self.engine_core: EngineCore | RayEngineCoreClient = make_engine_core(config)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._intake: deque[list[EngineCoreRequest] | str] = deque()  # a request group, or an id to abort
-        if hasattr(self.engine_core, "before_send"):  # the Ray client; no Ray import needed here
-            self.engine_core.before_send = self._drain_intake
+        # Where adds and aborts go (see the module docstring).
+        self._local_intake = None if self.engine_core.thread_safe_intake else RequestIntake()
+        self._intake: RequestIntake | RayEngineCoreClient = self._local_intake or cast(
+            "RayEngineCoreClient", self.engine_core
+        )
         self._started: set[str] = set()  # user requests whose prompt tokens were counted
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -117,10 +118,10 @@ class AsyncLLM:
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._intake.append(core_reqs)
-        self._wake()
         finished = False
         try:
+            self._intake.add_requests(core_reqs)
+            self._wake()
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -143,7 +144,13 @@ class AsyncLLM:
             return
         for out in self.output_processor.abort_requests(ids):
             self._deliver(out, notify)
-        self._intake.extend(ids)
+        self._abort_in_core(ids)
+
+    def _abort_in_core(self, ids: list[str]) -> None:
+        try:
+            self._intake.abort_requests(ids)
+        except EngineDeadError:
+            pass  # a dead core holds nothing to free; the loop reports the death
         self._wake()
 
     # ---- the loop -----------------------------------------------------------------
@@ -162,7 +169,7 @@ class AsyncLLM:
             self._wakeup.set()
 
     def _has_work(self) -> bool:
-        return bool(self._intake or self.output_processor.has_unfinished_requests())
+        return self._intake.has_pending_intake() or self.output_processor.has_unfinished_requests()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -193,25 +200,15 @@ class AsyncLLM:
 
     def _step_core(self, want_stats: bool) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
         core = self.engine_core
-        self._drain_intake()
+        if self._local_intake is not None:
+            self._local_intake.drain_into(core)
         outputs = core.step()
         return outputs, core.make_stats() if want_stats else None
-
-    def _drain_intake(self) -> None:
-        """Step thread only. Arrival order keeps an abort after the add of
-        the request it names (so it cannot outlive the abort in the core)."""
-        core = self.engine_core
-        while self._intake:
-            item = self._intake.popleft()
-            if isinstance(item, str):
-                core.abort_requests([item])
-            else:
-                core.add_requests(item)
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> None:
         result = self.output_processor.process_outputs(core_outputs)
         if result.reqs_to_abort:
-            self._intake.extend(result.reqs_to_abort)
+            self._abort_in_core(result.reqs_to_abort)
         prompt_tokens = generation_tokens = 0
         for out in result.request_outputs:
             generation_tokens += sum(len(c.token_ids) for c in out.outputs)

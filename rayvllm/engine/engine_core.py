@@ -5,11 +5,20 @@ One `Scheduler` (with its own KV block pool and prefix cache) and one
 to a rank by exact prefix hit, then load. With pipeline parallelism up to
 `pipeline_parallel_size` scheduled steps per rank are in flight at once, so
 the stages work on different steps at the same time.
+
+With async scheduling, step k+1 is normally scheduled and queued on the
+workers while step k runs, so the workers never wait for the scheduler; but
+then a request that arrives during step k misses k+1 and waits a whole step
+more. When requests can arrive while a step runs (an intake, on the
+SchedulerActor) and the batch has room for them, the core schedules just in
+time instead: it waits for step k, takes the intake, and only then schedules
+k+1, leaving the workers idle for the scheduling alone. A saturated engine
+(requests waiting, or a full batch) keeps the queued step: a new arrival
+would wait anyway.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,16 +29,16 @@ from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.core.sched.scheduler import Scheduler, SchedulerStats
 from rayvllm.engine.core_output import EngineCoreOutput
-from rayvllm.engine.step_pacer import StepPacer
+from rayvllm.engine.intake import RequestIntake
 from rayvllm.executor.base import Executor, PendingOutput, create_executor
 from rayvllm.request import EngineCoreRequest, Request
+from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 @dataclass
 class _InflightStep:
     scheduler_output: SchedulerOutput
     pending: PendingOutput
-    paced: bool  # its call was held back by `next_step_delay`
 
 
 class EngineCore:
@@ -37,6 +46,9 @@ class EngineCore:
     request and its workers' are updated by the same `SchedulerOutput`, in
     the order they were scheduled; a request stays on the DP rank it was
     routed to until it finishes."""
+
+    # Not thread-safe: adds and aborts must come from the thread that steps.
+    thread_safe_intake = False
 
     def __init__(self, config: EngineConfig, executors: list[Executor] | None = None) -> None:
         self.config = config
@@ -74,14 +86,9 @@ class EngineCore:
         ]
         self.router = DPRouter(dp, config.cache_config.block_size, self.prefix_index)
         self.inflight: list[deque[_InflightStep]] = [deque() for _ in range(dp)]
-        # Async scheduling (one step queued behind the running one) is what
-        # pacing tunes; pipeline stages are kept full instead.
-        paced = self.max_inflight == 2 and pc.pipeline_parallel_size == 1 and config.scheduler_config.pace_steps
-        self.pacers = [StepPacer() for _ in range(dp)] if paced else None
-        # When each rank's worker started the step now at the head of its
-        # queue (kept only for the pacers).
-        self._head_started = [0.0] * dp
-        self._paced_call = False
+        # Just in time applies to async scheduling's one queued step;
+        # pipeline stages are kept full instead.
+        self._can_wait_for_intake = self.max_inflight == 2 and pc.pipeline_parallel_size == 1
         self.request_rank: dict[str, int] = {}
 
     @property
@@ -121,50 +128,53 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_rank)
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Fill each rank's pipeline, then take back its oldest step."""
-        paced, self._paced_call = self._paced_call, False
-        for rank, scheduler in enumerate(self.schedulers):
-            queue = self.inflight[rank]
-            while len(queue) < self.max_inflight:
-                so = scheduler.schedule()
-                if so.is_empty and not so.finished_req_ids:
-                    break
-                queue.append(_InflightStep(so, self.executors[rank].execute_model_async(so), paced))
-                if so.is_empty:
-                    break
+    def step(self, intake: RequestIntake | None = None) -> list[EngineCoreOutput]:
+        """Take back each rank's oldest step and return its outputs, with
+        every rank's next step already on its workers. `intake` holds
+        requests that arrived since the last call (see the module docstring
+        for when it is taken before and when after the running step ends)."""
+        if intake is not None and self._can_wait_for_intake and self._has_room():
+            finished = self._take_oldest()
+            intake.drain_into(self)
+            self._schedule(1)
+        else:
+            if intake is not None:
+                intake.drain_into(self)
+            self._schedule(self.max_inflight)
+            finished = self._take_oldest()
         outputs: list[EngineCoreOutput] = []
-        for rank, scheduler in enumerate(self.schedulers):
-            if self.inflight[rank]:
-                step = self.inflight[rank].popleft()
-                result = step.pending.result()
-                if self.pacers is not None:
-                    self._head_started[rank] = time.monotonic()
-                    so = step.scheduler_output
-                    decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
-                    self.pacers[rank].observe(result, decode_only, step.paced)
-                outputs += scheduler.update_from_output(step.scheduler_output, result)
+        for rank, step, result in finished:
+            outputs += self.schedulers[rank].update_from_output(step.scheduler_output, result)
         for out in outputs:
             if out.finish_reason is not None:
                 self.request_rank.pop(out.request_id, None)
         return outputs
 
-    def next_step_delay(self) -> float:
-        """Seconds the caller should hold its next `step` call so requests
-        arriving meanwhile still make the step it schedules (StepPacer). 0
-        unless every rank has a step running and room for new requests:
-        with requests already waiting, a later call would gain nothing."""
-        if self.pacers is None:
-            return 0.0
-        now = time.monotonic()
-        delays = []
+    def _has_room(self) -> bool:
+        """No rank has requests waiting or a full batch."""
+        return all(not s.waiting and len(s.running) < s.max_num_seqs for s in self.schedulers)
+
+    def _schedule(self, depth: int) -> None:
+        """Schedule and submit steps until each rank has `depth` in flight
+        or nothing left to run."""
         for rank, scheduler in enumerate(self.schedulers):
-            if not self.inflight[rank] or len(scheduler.waiting) or len(scheduler.running) >= scheduler.max_num_seqs:
-                return 0.0
-            delays.append(self.pacers[rank].delay(now - self._head_started[rank]))
-        delay = min(delays)
-        self._paced_call = delay > 0.0
-        return delay
+            queue = self.inflight[rank]
+            while len(queue) < depth:
+                so = scheduler.schedule()
+                if so.is_empty and not so.finished_req_ids:
+                    break
+                queue.append(_InflightStep(so, self.executors[rank].execute_model_async(so)))
+                if so.is_empty:
+                    break
+
+    def _take_oldest(self) -> list[tuple[int, _InflightStep, ModelRunnerOutput]]:
+        """Wait for each rank's oldest step in flight."""
+        taken = []
+        for rank, queue in enumerate(self.inflight):
+            if queue:
+                step = queue.popleft()
+                taken.append((rank, step, step.pending.result()))
+        return taken
 
     def make_stats(self) -> SchedulerStats:
         stats = [s.make_stats() for s in self.schedulers]

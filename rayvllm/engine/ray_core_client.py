@@ -1,33 +1,30 @@
 """The engine loop's handle on a `SchedulerActor`: the same methods as
 `EngineCore`, so the loop cannot tell them apart (DESIGN principle 1).
 
-New requests and aborts are buffered and travel with the next `step` call,
-so a step costs the loop one round trip, on a direct channel to the actor
-rather than a Ray call (rpc_channel.py says why).
+Two direct channels to the actor (rpc_channel.py says why not Ray calls):
+- Intake, one-way: every add and abort goes out the moment the caller makes
+  it, from any thread, so the actor has it even while a step runs (see
+  engine_core.py for how the core schedules it just in time).
+- Steps: one round trip per step. The call carries how many intake messages
+  were sent before it, and the actor waits for those, so a request added
+  before a `step` is never later than that step.
 
 Without async scheduling the round trip is pipelined: `step` takes the
 reply of the call already in flight and at once sends the next one before
 returning, so the loop's output processing (detokenizing, stop strings)
 overlaps the next step's scheduling and forward instead of lengthening every
-step. The price is one step of latency for what the loop adds afterwards: a
-request added or aborted after a `step` reaches the core with the step after
-next, and an aborted request may emit one more output, which the
-OutputProcessor drops (it no longer knows the id).
-
-With async scheduling the SchedulerActor already keeps the next step queued
-on the workers while it answers, so the workers never wait for the loop;
-pipelining the calls as well would only queue every new request behind one
-more step (measured: TTFT up by a step). Then `step` is one plain call, sent
-no earlier than the actor's reply asked (`EngineCore.next_step_delay`, the
-StepPacer): shortly before the worker finishes the step it runs, so requests
-that arrive meanwhile make the next step.
+step. The price: a request added after that call went out waits for the
+step after next, and an aborted request may emit one more output, which the
+OutputProcessor drops (it no longer knows the id). With async scheduling
+the actor already keeps the next step queued on the workers while it
+answers, so `step` is one plain call.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -60,6 +57,10 @@ def ensure_ray_initialized(pc: ParallelConfig) -> None:
 
 
 class RayEngineCoreClient:
+    # `add_requests` and `abort_requests` may be called from any thread,
+    # also while another runs `step` (AsyncLLM calls them from its loop).
+    thread_safe_intake = True
+
     def __init__(self, config: EngineConfig) -> None:
         ensure_ray_initialized(config.parallel_config)
         node = ray.get_runtime_context().get_node_id()
@@ -69,34 +70,45 @@ class RayEngineCoreClient:
         ).remote()
         try:
             config.cache_config.num_blocks = ray.get(self.actor.start.remote(config))
-            self.channel = ChannelClient(*ray.get(self.actor.open_channel.remote()))
+            step_end, intake_end = ray.get(self.actor.open_channels.remote())
+            self.channel = ChannelClient(*step_end)
+            self.intake_channel = ChannelClient(*intake_end)
         except BaseException:
             ray.kill(self.actor)
             raise
-        self._new: list[list[EngineCoreRequest]] = []
-        self._aborts: list[str] = []
+        self._intake_lock = threading.Lock()
+        self._intake_sent = 0  # messages on the intake channel so far
+        self._intake_stepped = 0  # of those, how many a step call has counted
         self._pipelined = not config.scheduler_config.async_scheduling
         # Invariants: at most one `step` call is unanswered on the channel
         # (`_inflight`), and `_ready` holds the outputs of one that was
         # answered while another call waited behind it; never both.
         self._inflight = False
         self._ready: list[EngineCoreOutput] | None = None
-        self._send_at = 0.0  # monotonic time before which no step call is sent
-        self.held_s = 0.0  # total time step calls were held for pacing
-        # Called (on the stepping thread) right before a step is sent, so a
-        # caller can hand over requests that arrived while it waited.
-        self.before_send: Callable[[], None] | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._new.append([request])
+        self.add_requests([request])
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        self._new.append(list(requests))
+        self._send_intake("add_requests", list(requests))
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         ids = list(request_ids)
-        self._aborts += ids
+        if ids:
+            self._send_intake("abort_requests", ids)
         return ids
+
+    def _send_intake(self, method: str, payload: list[EngineCoreRequest] | list[str]) -> None:
+        with self._intake_lock:
+            try:
+                self.intake_channel.send(method, payload)
+            except OSError as e:
+                raise EngineDeadError(f"the scheduler actor is gone: {e!r}") from e
+            self._intake_sent += 1
+
+    def has_pending_intake(self) -> bool:
+        """Adds or aborts were sent that no step call has counted yet."""
+        return self._intake_sent > self._intake_stepped
 
     def step(self) -> list[EngineCoreOutput]:
         try:
@@ -104,10 +116,6 @@ class RayEngineCoreClient:
                 outputs, self._ready = self._ready, None
             else:
                 if not self._inflight:
-                    hold = self._send_at - time.monotonic()
-                    if hold > 0.0:
-                        time.sleep(hold)
-                        self.held_s += hold
                     self._send_step()
                 outputs = self._recv_step()
             if self._pipelined:
@@ -117,17 +125,14 @@ class RayEngineCoreClient:
         return outputs
 
     def _send_step(self) -> None:
-        if self.before_send is not None:
-            self.before_send()
-        new, aborts = self._new, self._aborts
-        self._new, self._aborts = [], []
-        self.channel.send("step", new, aborts)
+        count = self._intake_sent
+        self.channel.send("step", count)
+        self._intake_stepped = count
         self._inflight = True
 
     def _recv_step(self) -> list[EngineCoreOutput]:
         self._inflight = False
-        outputs, delay = self.channel.recv()
-        self._send_at = time.monotonic() + delay
+        outputs: list[EngineCoreOutput] = self.channel.recv()
         return outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -151,6 +156,7 @@ class RayEngineCoreClient:
         if self.actor is None:
             return
         self.channel.close()
+        self.intake_channel.close()
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
         finally:

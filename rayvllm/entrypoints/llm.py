@@ -21,10 +21,7 @@ class LLM:
     """vLLM's offline API. With no `model`, the embedded demo model is used.
 
     Any `EngineArgs` field is accepted as a keyword (e.g. `kv_cache_memory_bytes`
-    for the CPU KV cache budget, default 2 GiB). `pace_steps` defaults to
-    off here: offline requests are queued before the steps that serve them,
-    so holding step calls for late arrivals only costs (measured: Ray path
-    at N=64, 0.93x in-process unpaced against 0.88x paced).
+    for the CPU KV cache budget, default 2 GiB).
     """
 
     def __init__(
@@ -52,7 +49,7 @@ class LLM:
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
                 seed=seed,
-                **{"pace_steps": False, **kwargs},
+                **kwargs,
             )
         )
         self.llm_engine = LLMEngine.from_engine_args(args)

@@ -46,7 +46,3 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: LogprobsLists | None
     prompt_logprobs: dict[str, LogprobsLists]
-    # Set by `Worker` (0.0 where nothing times the step): seconds spent in
-    # this step, and seconds the worker waited for it after the previous one.
-    busy_s: float = 0.0
-    idle_s: float = 0.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from datetime import timedelta
 
 import torch
@@ -45,7 +44,6 @@ class Worker:
         self.num_threads = max(1, (os.cpu_count() or 1) // max(1, ranks_on_node))
         self.set_threads()
         self.runner: ModelRunner | None = None
-        self._last_step_end: float | None = None
 
     def set_threads(self) -> None:
         """Size the calling thread's torch/OpenMP pool (the setting is per
@@ -112,16 +110,8 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Also times the step for the engine's `StepPacer`: `idle_s` is
-        the wait since the previous step returned (0 for the first)."""
         assert self.runner is not None
-        start = time.perf_counter()
-        output = self.runner.execute_model(scheduler_output)
-        end = time.perf_counter()
-        output.busy_s = end - start
-        output.idle_s = 0.0 if self._last_step_end is None else start - self._last_step_end
-        self._last_step_end = end
-        return output
+        return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
