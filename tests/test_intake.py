@@ -138,17 +138,24 @@ def test_a_light_engine_schedules_after_the_running_step_so_an_arrival_makes_the
     core, ex = make_core()
     intake = RequestIntake()
     intake.add_requests([request("a")])
-    assert core.step(intake) == []  # idle until now: step 0 goes out, nothing to take back
-    assert ex.events == ["submit 0"] and ex.requests_in(0) == ["a"]
     ex.during_step = lambda: intake.add_requests([request("b")])
     outputs = core.step(intake)
-    # Step 1 was scheduled only after step 0 ended, so "b" (which arrived
-    # during step 0) is in it: its prefill runs beside "a"'s decode.
+    # Idle until now, so one call schedules step 0 and takes it back. Step 1
+    # was scheduled only after step 0 ended, so "b" (which arrived during
+    # step 0) is in it: its prefill runs beside "a"'s first decode.
     assert ex.events == ["submit 0", "result 0", "submit 1"]
-    assert ex.requests_in(1) == ["a", "b"]
+    assert ex.requests_in(0) == ["a"] and ex.requests_in(1) == ["a", "b"]
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [7])]
-    core.step(intake)
+    ex.during_step = lambda: intake.add_requests([request("c")])
+    outputs = core.step(intake)
     assert ex.events[3:] == ["result 1", "submit 2"]
+    assert ex.requests_in(2) == ["a", "b", "c"]
+    assert sorted((o.request_id, tuple(o.new_token_ids)) for o in outputs) == [("a", (7,)), ("b", (7,))]
+
+
+def test_an_idle_step_with_nothing_to_run_returns_at_once() -> None:
+    core, ex = make_core()
+    assert core.step(RequestIntake()) == [] and ex.events == []
 
 
 def test_a_saturated_engine_keeps_the_next_step_queued() -> None:
@@ -159,13 +166,13 @@ def test_a_saturated_engine_keeps_the_next_step_queued() -> None:
     intake = RequestIntake()
     intake.add_requests([request("a", max_tokens=3)])
     intake.add_requests([request("b", max_tokens=3)])
-    core.step(intake)  # idle until now: "a" goes out alone, "b" waits
-    assert ex.events == ["submit 0"] and ex.requests_in(0) == ["a"]
+    core.step(intake)  # idle until now: "a" goes out alone and comes back, "b" waits
+    assert ex.events == ["submit 0", "result 0", "submit 1"] and ex.requests_in(0) == ["a"]
     assert [r.request_id for r in core.scheduler.waiting] == ["b"]
     ex.during_step = lambda: intake.add_requests([request("c")])
     core.step(intake)
-    assert ex.events == ["submit 0", "submit 1", "result 0"]
-    assert ex.requests_in(1) == ["a"]
+    assert ex.events[3:] == ["submit 2", "result 1"]
+    assert ex.requests_in(2) == ["a"]
     core.step(intake)  # "c" was drained before this call scheduled
     assert [r.request_id for r in core.scheduler.waiting] == ["b", "c"]
 
@@ -175,9 +182,9 @@ def test_aborts_arriving_mid_step_take_effect_in_order() -> None:
     intake = RequestIntake()
     intake.add_requests([request("a")])
     intake.add_requests([request("b")])
-    core.step(intake)
     ex.during_step = lambda: intake.abort_requests(["b"])
     outputs = core.step(intake)
+    assert ex.requests_in(0) == ["a", "b"]
     assert ex.requests_in(1) == ["a"]  # "b" was aborted before step 1 was scheduled
     assert [o.request_id for o in outputs] == ["a"]  # its token from step 0 is dropped
     assert not core.scheduler.waiting and [r.request_id for r in core.scheduler.running] == ["a"]

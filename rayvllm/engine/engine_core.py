@@ -134,9 +134,11 @@ class EngineCore:
         requests that arrived since the last call (see the module docstring
         for when it is taken before and when after the running step ends)."""
         if intake is not None and self._can_wait_for_intake and self._has_room():
-            finished = self._take_oldest()
-            intake.drain_into(self)
-            self._schedule(1)
+            finished = self._just_in_time(intake)
+            if not finished and any(self.inflight):
+                # The engine was idle: take back the step just scheduled in
+                # this call, not in another round trip from the engine loop.
+                finished = self._just_in_time(intake)
         else:
             if intake is not None:
                 intake.drain_into(self)
@@ -149,6 +151,13 @@ class EngineCore:
             if out.finish_reason is not None:
                 self.request_rank.pop(out.request_id, None)
         return outputs
+
+    def _just_in_time(self, intake: RequestIntake) -> list[tuple[int, _InflightStep, ModelRunnerOutput]]:
+        """Wait for the running steps, then take the intake and schedule."""
+        finished = self._take_oldest()
+        intake.drain_into(self)
+        self._schedule(1)
+        return finished
 
     def _has_room(self) -> bool:
         """No rank has requests waiting or a full batch."""
