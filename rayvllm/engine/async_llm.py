@@ -65,9 +65,8 @@ class AsyncLLM:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         # Where adds and aborts go (see the module docstring).
-        self._local_intake = None if self.engine_core.thread_safe_intake else RequestIntake()
-        self._intake: RequestIntake | RayEngineCoreClient = self._local_intake or cast(
-            "RayEngineCoreClient", self.engine_core
+        self._intake: RequestIntake | RayEngineCoreClient = (
+            cast("RayEngineCoreClient", self.engine_core) if self.engine_core.thread_safe_intake else RequestIntake()
         )
         self._started: set[str] = set()  # user requests whose prompt tokens were counted
         self._wakeup: asyncio.Event | None = None
@@ -200,8 +199,8 @@ class AsyncLLM:
 
     def _step_core(self, want_stats: bool) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
         core = self.engine_core
-        if self._local_intake is not None:
-            self._local_intake.drain_into(core)
+        if isinstance(self._intake, RequestIntake):  # the in-process core's
+            self._intake.drain_into(core)
         outputs = core.step()
         return outputs, core.make_stats() if want_stats else None
 

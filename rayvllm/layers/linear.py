@@ -26,6 +26,14 @@ from rayvllm.distributed.parallel_state import ParallelContext, tp_all_reduce
 from rayvllm.kernels import cpu_gemm
 
 
+def cpu_weight_copy(weight: torch.Tensor, use_c_kernels: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`(packed, None)` for the C kernel when it is wanted and builds, else
+    `(None, weight^T)` contiguous for MKL."""
+    if use_c_kernels and cpu_gemm.available():
+        return cpu_gemm.pack_weight(weight), None
+    return None, weight.detach().t().contiguous()
+
+
 class Linear(nn.Module):
     """`y = x W^T + b` with `W` loaded as `[out, in]`; `optimize_for_cpu()`
     replaces `W` by the packed or transposed copy (exactly one is kept)."""
@@ -40,10 +48,7 @@ class Linear(nn.Module):
         self.weight_packed: torch.Tensor | None = None
 
     def optimize_for_cpu(self, use_c_kernels: bool) -> None:
-        if use_c_kernels and cpu_gemm.available():
-            self.weight_packed = cpu_gemm.pack_weight(self.weight)
-        else:
-            self.weight_t = self.weight.detach().t().contiguous()
+        self.weight_packed, self.weight_t = cpu_weight_copy(self.weight, use_c_kernels)
         # Release the [out, in] original; only the new copy is used now.
         self.weight = None  # type: ignore[assignment]
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from rayvllm.distributed.parallel_state import ParallelContext, tp_all_reduce, tp_gather_to_driver
 from rayvllm.kernels import cpu_gemm
+from rayvllm.layers.linear import cpu_weight_copy
 
 # Rows up to which the packed kernel beat MKL on the vocabulary product; past
 # it (prompt logprobs) MKL caught up at 1024 rows and was 15% faster at 2048.
@@ -70,10 +71,7 @@ class ParallelLMHead(_VocabShard):
     weight_packed: torch.Tensor | None = None
 
     def optimize_for_cpu(self, use_c_kernels: bool) -> None:
-        if use_c_kernels and cpu_gemm.available():
-            self.weight_packed = cpu_gemm.pack_weight(self.weight)
-        else:
-            self.weight_t = self.weight.detach().t().contiguous()
+        self.weight_packed, self.weight_t = cpu_weight_copy(self.weight, use_c_kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         rows = hidden.shape[0]
