@@ -40,6 +40,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         dtype="float32",
         seed=0,
     ),
+    # ~125M parameters (issue 14's second CPU model): GQA with 4 KV heads.
+    "llama125m": dict(
+        arch="llama",
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=2048,
+        dtype="float32",
+        seed=0,
+    ),
     # Small enough that per-step overhead dominates; head_dim 32 so vLLM takes it.
     "tiny": dict(
         arch="llama",
@@ -75,6 +89,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         seed=0,
     ),
 }
+
+
+def cpu_line() -> str:
+    """The CPU a table's figures came from: model, vector ISA, the kernel
+    variant rayvllm runs, any ISA cap set for MKL/oneDNN, and the core count
+    (issue 14: a figure from one CPU says nothing about another)."""
+    ensure_repo_on_path()
+    from rayvllm.kernels.cpu_isa import cpu_info, selected_isa
+
+    info = cpu_info()
+    caps = [f"{k}={os.environ[k]}" for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)]
+    capped = f", {', '.join(caps)}" if caps else ""
+    return f"{info.model} [{info.isa_summary}]; rayvllm kernels {selected_isa(info)}{capped}; {os.cpu_count()} cores"
 
 
 def ensure_repo_on_path() -> None:

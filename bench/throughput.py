@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -84,6 +83,7 @@ from _common import (  # noqa: E402
     BenchRequest,
     Workload,
     build_model,
+    cpu_line,
     count_output_tokens,
     default_dtype,
     run_child_and_exit,
@@ -200,7 +200,7 @@ def _device_name(device: str) -> str:
 
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    return "cpu"
 
 
 def child_rayvllm(model: str, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -413,7 +413,9 @@ def parent_main(args: argparse.Namespace) -> None:
                      _note(engine, p)])
     print()
     print(format_table(["engine", "output tokens", "seconds", "output tok/s", "vs rayvllm", "notes"], rows))
-    devices = sorted({p["device_name"] for p in results.values() if "device_name" in p})
+    devices = sorted({p["device_name"] for p in results.values() if p.get("device_name", "cpu") != "cpu"})
+    if not on_gpu:
+        devices.append(cpu_line())
     print(f"(seconds: median of {args.repeats} round(s); 'vs rayvllm' = engine tok/s / rayvllm tok/s; "
           f"{'; '.join(devices) or args.device})")
     hf_tok_s = results.get("transformers", {}).get("tok_s")

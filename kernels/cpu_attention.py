@@ -15,9 +15,10 @@ from rayvllm.kernels.cbuild import load_library
 _FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    lib = load_library("csrc_paged_attention.c", _FLAGS)
+@lru_cache(maxsize=None)
+def _library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for `isa` (default: the variant kernels/cpu_isa.py selects)."""
+    lib = load_library("csrc_paged_attention.c", _FLAGS, isa)
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -26,8 +27,8 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+def available(isa: str | None = None) -> bool:
+    return _library(isa) is not None
 
 
 def supports(head_size: int, block_size: int) -> bool:
@@ -43,10 +44,11 @@ def paged_attention_decode(
     seq_rows: torch.Tensor,
     ctx_lens: torch.Tensor,
     scale: float,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """query `[T, H, D]` float32 (one query token per row); token t attends to
     keys `0 .. ctx_lens[t]-1` of block-table row `seq_rows[t]`."""
-    lib = _library()
+    lib = _library(isa)
     assert lib is not None, "CPU attention kernel unavailable"
     assert query.dtype == torch.float32 and key_cache.dtype == torch.float32
     query = query.contiguous()

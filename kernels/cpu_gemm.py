@@ -1,7 +1,13 @@
 """float32 CPU GEMM against a weight packed once at load (`csrc_gemm.c`),
 for the few-row products of decode steps, which MKL runs memory-bound by
-repacking the weight on every call. Callers check `available()` and keep
-torch's GEMM otherwise."""
+repacking the weight on every call.
+
+The library is built per instruction-set variant (kernels/cpu_isa.py); the
+packed layout's tile width differs between variants, so a packed weight is
+only ever multiplied by the variant that packed it (checked). Callers check
+`available()` and keep torch's GEMM otherwise; which of them wins at which
+row count is decided at load by kernels/gemm_select.py.
+"""
 
 from __future__ import annotations
 
@@ -11,44 +17,56 @@ from functools import lru_cache
 import torch
 
 from rayvllm.kernels.cbuild import load_library
-
-# Columns per packed tile (TILE in csrc_gemm.c).
-TILE = 32
+from rayvllm.kernels.cpu_isa import selected_isa
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    lib = load_library("csrc_gemm.c", [])
+@lru_cache(maxsize=None)
+def _library(isa: str) -> ctypes.CDLL | None:
+    lib = load_library("csrc_gemm.c", [], isa)
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64]
     lib.gemm_packed_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.gemm_tile_cols.restype = i64
+    lib.tile = int(lib.gemm_tile_cols())
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+@lru_cache(maxsize=1)
+def default_isa() -> str:
+    return selected_isa()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` `[N, K]` float32 as column tiles `[ceil(N / TILE), K, TILE]`."""
-    lib = _library()
+def available(isa: str | None = None) -> bool:
+    return _library(isa or default_isa()) is not None
+
+
+def tile_cols(isa: str | None = None) -> int:
+    """Columns per packed tile of `isa`'s build (32 / 16 / 8 for AVX-512 / AVX2 / baseline)."""
+    lib = _library(isa or default_isa())
+    assert lib is not None
+    return lib.tile
+
+
+def pack_weight(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """`weight` `[N, K]` float32 as column tiles `[ceil(N / TILE), K, TILE]` for `isa`'s kernel."""
+    lib = _library(isa or default_isa())
     assert lib is not None and weight.dtype == torch.float32
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    packed = torch.empty(-(-n // TILE), k, TILE)
+    packed = torch.empty(-(-n // lib.tile), k, lib.tile)
     lib.pack_weight_f32(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """`x @ W^T` `[M, n]` for the `W` that `packed` came from."""
-    lib = _library()
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, isa: str | None = None) -> torch.Tensor:
+    """`x @ W^T` `[M, n]` for the `W` that `packed` came from (packed for the same `isa`)."""
+    lib = _library(isa or default_isa())
     assert lib is not None
     x = x.contiguous()
     m, k = x.shape
-    assert packed.shape[1] == k and x.dtype == torch.float32
+    assert packed.shape[1] == k and packed.shape[2] == lib.tile and x.dtype == torch.float32
     y = torch.empty(m, n)
     lib.gemm_packed_f32(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y

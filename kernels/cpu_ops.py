@@ -16,9 +16,10 @@ from rayvllm.kernels.cbuild import load_library
 _FLAGS = ["-ffp-contract=off"]
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    lib = load_library("csrc_cpu_ops.c", _FLAGS)
+@lru_cache(maxsize=None)
+def _library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for `isa` (default: the variant kernels/cpu_isa.py selects)."""
+    lib = load_library("csrc_cpu_ops.c", _FLAGS, isa)
     if lib is None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -27,15 +28,15 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+def available(isa: str | None = None) -> bool:
+    return _library(isa) is not None
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, isa: str | None = None
 ) -> torch.Tensor:
     """`residual += x` in place (when given), then RMSNorm of it (or of x) times weight."""
-    lib = _library()
+    lib = _library(isa)
     assert lib is not None
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -58,11 +59,12 @@ def rope_and_cache(
     slot_mapping: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q `[T, H, D]`, k/v `[T, KVH, D]` (heads contiguous in each row, any
     row stride): returns rotated q and k, and writes rotated k and v to the
     cache (layouts of kernels/reference.py) at `slot_mapping` (-1 skipped)."""
-    lib = _library()
+    lib = _library(isa)
     assert lib is not None
     num_tokens, num_heads, head_size = q.shape
     kv_heads = k.shape[1]

@@ -16,19 +16,41 @@
  * adds x[r, k] * Wp[k, :] for k = 0..K-1 in order, so every output is a
  * sequential float32 sum over k (like a naive dot product, not MKL's order).
  * Threads split the column tiles.
+ *
+ * The register blocking follows the ISA the file is compiled for (the
+ * variants of kernels/cpu_isa.py), so that the accumulators, two weight
+ * vectors and one broadcast always fit the register file:
+ *   AVX-512: 16-float vectors, TILE 32, 12 rows: 24 of 32 zmm
+ *   AVX2:     8-float vectors, TILE 16,  6 rows: 12 of 16 ymm
+ *   baseline: 4-float vectors, TILE 8,   6 rows: 12 of 16 xmm (SSE2; NEON has 32)
+ * The AVX-512 blocking built for AVX2 needs 48 ymm accumulators and spills
+ * in the inner loop (issue 14 measured it 10-50x slower). The packed layout
+ * depends on TILE, so callers ask `gemm_tile_cols()` of the library they
+ * pack for.
  */
 #include <stdint.h>
 #include <string.h>
 
-#define TILE 32
+#if defined(__AVX512F__)
+#define VEC 16
 #define ROWS 12
+#elif defined(__AVX2__)
+#define VEC 8
+#define ROWS 6
+#else
+#define VEC 4
+#define ROWS 6
+#endif
+#define TILE (2 * VEC)
 #define ROW_CHUNK (16 * ROWS)
-/* Rows of the weight tile fetched ahead; hardware prefetch alone left the
- * 16-row LM head product 20% slower. */
-#define PREFETCH 16
+/* Weight-tile rows fetched ahead (2 KiB); hardware prefetch alone left the
+ * 16-row LM head product 20% slower on AVX-512. */
+#define PREFETCH_ROWS (2048 / (TILE * 4))
 
-/* 16 floats; aligned(4) so loads and stores need no 64-byte alignment. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+/* VEC floats; aligned(4) so loads and stores need no vector alignment. */
+typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
+
+int64_t gemm_tile_cols(void) { return TILE; }
 
 void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k) {
     int64_t tiles = (n + TILE - 1) / TILE;
@@ -44,17 +66,17 @@ void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k) {
  * the accumulators become registers. */
 static inline __attribute__((always_inline)) void tile_block(
     const float *x, int64_t ldx, const float *wt, float *out, int64_t ldo, int64_t k, int rows) {
-    v16 lo[ROWS], hi[ROWS];
+    vf lo[ROWS], hi[ROWS];
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
-        lo[r] = (v16){0};
-        hi[r] = (v16){0};
+        lo[r] = (vf){0};
+        hi[r] = (vf){0};
     }
     for (int64_t i = 0; i < k; i++) {
-        __builtin_prefetch(wt + (i + PREFETCH) * TILE);
-        __builtin_prefetch(wt + (i + PREFETCH) * TILE + 16);
-        v16 wlo = *(const v16 *)(wt + i * TILE);
-        v16 whi = *(const v16 *)(wt + i * TILE + 16);
+        /* One prefetch per 64-byte line of the tile row (a constant trip count). */
+        for (int c = 0; c < TILE; c += 16) __builtin_prefetch(wt + (i + PREFETCH_ROWS) * TILE + c);
+        vf wlo = *(const vf *)(wt + i * TILE);
+        vf whi = *(const vf *)(wt + i * TILE + VEC);
 #pragma GCC unroll 12
         for (int r = 0; r < rows; r++) {
             float xv = x[r * ldx + i];
@@ -64,8 +86,8 @@ static inline __attribute__((always_inline)) void tile_block(
     }
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
-        *(v16 *)(out + r * ldo) = lo[r];
-        *(v16 *)(out + r * ldo + 16) = hi[r];
+        *(vf *)(out + r * ldo) = lo[r];
+        *(vf *)(out + r * ldo + VEC) = hi[r];
     }
 }
 
@@ -74,13 +96,16 @@ static void tile_rows(const float *x, int64_t ldx, const float *wt, float *out, 
     for (; r + ROWS <= m; r += ROWS) tile_block(x + r * ldx, ldx, wt, out + r * ldo, ldo, k, ROWS);
     const float *xr = x + r * ldx;
     float *o = out + r * ldo;
+    /* `rows` must be a literal for the accumulators to stay in registers. */
     switch (m - r) {
+#if ROWS > 6
         case 11: tile_block(xr, ldx, wt, o, ldo, k, 11); break;
         case 10: tile_block(xr, ldx, wt, o, ldo, k, 10); break;
         case 9: tile_block(xr, ldx, wt, o, ldo, k, 9); break;
         case 8: tile_block(xr, ldx, wt, o, ldo, k, 8); break;
         case 7: tile_block(xr, ldx, wt, o, ldo, k, 7); break;
         case 6: tile_block(xr, ldx, wt, o, ldo, k, 6); break;
+#endif
         case 5: tile_block(xr, ldx, wt, o, ldo, k, 5); break;
         case 4: tile_block(xr, ldx, wt, o, ldo, k, 4); break;
         case 3: tile_block(xr, ldx, wt, o, ldo, k, 3); break;

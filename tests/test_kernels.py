@@ -7,8 +7,17 @@ import pytest
 import torch
 
 from rayvllm.kernels import cpu_attention
+from rayvllm.kernels.cpu_isa import ISAS, cpu_info
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq
 from rayvllm.kernels.reference import gather_keys, paged_attention, reshape_and_cache
+
+
+def _require(isa: str, available) -> None:
+    """Skip unless this CPU runs `isa` and the kernel built for it."""
+    if not cpu_info().supports(isa):
+        pytest.skip(f"this CPU ({cpu_info().model}) cannot run the {isa} variant")
+    if not available(isa):
+        pytest.skip("no C compiler")
 
 
 def _random_cache(num_blocks: int, block_size: int, kv_heads: int, head_size: int, gen: torch.Generator):
@@ -28,11 +37,11 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size,head_size", [(16, 32), (8, 48), (4, 64)])
-def test_c_decode_kernel_matches_reference(heads: int, kv_heads: int, block_size: int, head_size: int) -> None:
-    if not cpu_attention.available():
-        pytest.skip("no C compiler")
+def test_c_decode_kernel_matches_reference(isa: str, heads: int, kv_heads: int, block_size: int, head_size: int) -> None:
+    _require(isa, cpu_attention.available)
     gen = torch.Generator().manual_seed(heads * 1000 + block_size * 10 + head_size)
     num_blocks, max_blocks, num_seqs = 64, 12, 7
     k_cache, v_cache = _random_cache(num_blocks, block_size, kv_heads, head_size, gen)
@@ -42,7 +51,9 @@ def test_c_decode_kernel_matches_reference(heads: int, kv_heads: int, block_size
     lens_by_token = ctx_lens[rows].contiguous()
     q = torch.randn(num_seqs, heads, head_size, generator=gen)
     scale = head_size**-0.5
-    out = cpu_attention.paged_attention_decode(q, k_cache, v_cache, block_tables, rows.contiguous(), lens_by_token, scale)
+    out = cpu_attention.paged_attention_decode(
+        q, k_cache, v_cache, block_tables, rows.contiguous(), lens_by_token, scale, isa=isa
+    )
     flat_v = v_cache.view(-1, kv_heads, head_size)
     for t in range(num_seqs):
         n = int(lens_by_token[t])
@@ -127,12 +138,12 @@ def test_reshape_and_cache_skips_negative_slots() -> None:
     assert torch.equal(v_cache.view(-1, 4)[5], -key[2, 0])
 
 
-def test_fused_add_rms_norm_matches_torch() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_add_rms_norm_matches_torch(isa: str) -> None:
     from rayvllm.kernels import cpu_ops
     from rayvllm.layers.layernorm import RMSNorm
 
-    if not cpu_ops.available():
-        pytest.skip("no C compiler")
+    _require(isa, cpu_ops.available)
     gen = torch.Generator().manual_seed(3)
     norm = RMSNorm(96, 1e-6)
     with torch.no_grad():
@@ -141,22 +152,27 @@ def test_fused_add_rms_norm_matches_torch() -> None:
     residual = torch.randn(37, 96, generator=gen)
     expected, expected_res = norm.forward_with_residual(x, residual.clone())
     expected_plain = norm(x)
+    got_res = residual.clone()
+    got = cpu_ops.add_rms_norm(x, got_res, norm.weight, norm.eps, isa=isa)
+    torch.testing.assert_close(got_res, expected_res, atol=0, rtol=0)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    plain = cpu_ops.add_rms_norm(x, None, norm.weight, norm.eps, isa=isa)
+    torch.testing.assert_close(plain, expected_plain, atol=1e-6, rtol=1e-5)
+    # The layer's own C path (the default variant) returns the residual it updated.
     norm.use_c_kernel = True
     got_res = residual.clone()
     got, returned = norm.forward_with_residual(x, got_res)
     assert returned is got_res
-    torch.testing.assert_close(got_res, expected_res, atol=0, rtol=0)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(norm(x), expected_plain, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 2, 32), (6, 6, 48)])
-def test_fused_rope_and_cache_matches_torch(heads: int, kv_heads: int, head_size: int) -> None:
+def test_fused_rope_and_cache_matches_torch(isa: str, heads: int, kv_heads: int, head_size: int) -> None:
     from rayvllm.kernels import cpu_ops
     from rayvllm.layers.rotary import RotaryEmbedding
 
-    if not cpu_ops.available():
-        pytest.skip("no C compiler")
+    _require(isa, cpu_ops.available)
     gen = torch.Generator().manual_seed(heads + head_size)
     rope = RotaryEmbedding(head_size, 512, 10000.0, None, torch.float32)
     num_tokens, q_size, kv_size = 21, heads * head_size, kv_heads * head_size
@@ -170,7 +186,7 @@ def test_fused_rope_and_cache_matches_torch(heads: int, kv_heads: int, head_size
     slots[3] = -1
     key_cache = torch.full((10, kv_heads, head_size, 4), float("nan"))
     value_cache = torch.full((10, 4, kv_heads, head_size), float("nan"))
-    q_rot, k_rot = cpu_ops.rope_and_cache(q, k, v, positions, rope.cos, rope.sin, slots, key_cache, value_cache)
+    q_rot, k_rot = cpu_ops.rope_and_cache(q, k, v, positions, rope.cos, rope.sin, slots, key_cache, value_cache, isa=isa)
     exp_q, exp_k = rope(positions, q, k)
     # Same rounding as torch's elementwise ops: bit-identical.
     assert torch.equal(q_rot, exp_q) and torch.equal(k_rot, exp_k)
@@ -183,56 +199,25 @@ def test_fused_rope_and_cache_matches_torch(heads: int, kv_heads: int, head_size
     assert torch.isnan(gather_keys(key_cache, torch.arange(40)[~written])).all()
 
 
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 200, 421])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 200, 421])
 @pytest.mark.parametrize("n,k", [(32, 7), (50, 288), (864, 288), (288, 768)])
-def test_packed_gemm_matches_float64(m: int, n: int, k: int) -> None:
-    """Row counts around the microkernel's block (12) and row chunk (192),
-    a padded last tile (50 = 32 + 18) and an odd K."""
+def test_packed_gemm_matches_float64(isa: str, m: int, n: int, k: int) -> None:
+    """Each variant's GEMM within float32 rounding of the float64 product:
+    row counts around the microkernels' blocks (6 or 12 rows) and row chunks
+    (96 or 192), padded last tiles (50 columns) and an odd K. Not bitwise:
+    the sum over K runs in order but with FMA on AVX2/AVX-512."""
     from rayvllm.kernels import cpu_gemm
 
-    if not cpu_gemm.available():
-        pytest.skip("no C compiler")
+    _require(isa, cpu_gemm.available)
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     weight = torch.randn(n, k, generator=gen)
     x = torch.randn(m, k, generator=gen)
-    packed = cpu_gemm.pack_weight(weight)
-    assert packed.shape == (-(-n // cpu_gemm.TILE), k, cpu_gemm.TILE)
-    got = cpu_gemm.gemm(x, packed, n)
+    tile = cpu_gemm.tile_cols(isa)
+    assert tile == {"avx512": 32, "avx2": 16, "portable": 8}[isa]
+    packed = cpu_gemm.pack_weight(weight, isa)
+    assert packed.shape == (-(-n // tile), k, tile)
+    got = cpu_gemm.gemm(x, packed, n, isa)
     assert got.shape == (m, n)
     expected = (x.double() @ weight.double().t()).float()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
-
-
-def test_linear_layers_keep_one_cpu_weight_copy() -> None:
-    """After `optimize_for_cpu` a Linear keeps only its packed weight (with
-    the C kernel) or only its transposed one, and both give `F.linear`'s
-    result, bias included; the LM head keeps `weight` for large products."""
-    import torch.nn.functional as F
-
-    from rayvllm.distributed.parallel_state import ParallelContext
-    from rayvllm.kernels import cpu_gemm
-    from rayvllm.layers.linear import Linear
-    from rayvllm.layers.vocab_parallel import ParallelLMHead
-
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(9, 40, generator=gen)
-    for use_c in (False, True):
-        layer = Linear(40, 70, bias=True)
-        with torch.no_grad():
-            layer.weight.copy_(torch.randn(70, 40, generator=gen))
-            layer.bias.copy_(torch.randn(70, generator=gen))
-        expected = F.linear(x, layer.weight, layer.bias)
-        layer.optimize_for_cpu(use_c)
-        packed = use_c and cpu_gemm.available()
-        assert layer.weight is None
-        assert (layer.weight_packed is not None, layer.weight_t is not None) == (packed, not packed)
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
-
-        head = ParallelLMHead(70, 40, ParallelContext())
-        with torch.no_grad():
-            head.weight.copy_(torch.randn(70, 40, generator=gen))
-        head.optimize_for_cpu(use_c)
-        assert head.weight is not None and (head.weight_packed is not None) == packed
-        for rows in (1, 9, 300):
-            h = torch.randn(rows, 40, generator=gen)
-            torch.testing.assert_close(head(h), F.linear(h, head.weight), atol=1e-5, rtol=1e-5)

@@ -6,14 +6,9 @@ slices the weight). A row-parallel layer multiplies this rank's slice of
 input features and all-reduces the partial sums (`RowParallelLinear`).
 
 Checkpoints store weights as `[out, in]`. After loading, CPU float32 layers
-keep one copy of the weight in the layout their GEMM reads fastest:
-packed column tiles for the C kernel (kernels/cpu_gemm.py) when it builds,
-otherwise a transposed `[in, out]` copy, which MKL multiplies by a few rows
-2-5x faster than the `[out, in]` original (measured for 8-32 rows; equal at
-64 and above). Over a step's products (`bench/gemm.py`, weights cold in
-cache) the packed kernel measured 1.3-1.7x faster than MKL's transposed path
-at 2-256 rows, 10% slower at one row and 6% slower at 1024 rows
-(docs/BENCHMARKS.md).
+are multiplied by the GEMM that measured fastest for their shape and row
+count on this CPU (kernels/gemm_select.py), and keep only the weight
+layouts that choice needs.
 """
 
 from __future__ import annotations
@@ -23,20 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayvllm.distributed.parallel_state import ParallelContext, tp_all_reduce
-from rayvllm.kernels import cpu_gemm
-
-
-def cpu_weight_copy(weight: torch.Tensor, use_c_kernels: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """`(packed, None)` for the C kernel when it is wanted and builds, else
-    `(None, weight^T)` contiguous for MKL."""
-    if use_c_kernels and cpu_gemm.available():
-        return cpu_gemm.pack_weight(weight), None
-    return None, weight.detach().t().contiguous()
+from rayvllm.kernels.gemm_select import GemmPlan, PlannedGemm
 
 
 class Linear(nn.Module):
-    """`y = x W^T + b` with `W` loaded as `[out, in]`; `optimize_for_cpu()`
-    replaces `W` by the packed or transposed copy (exactly one is kept)."""
+    """`y = x W^T + b` with `W` loaded as `[out, in]`; `use_gemm_plan()`
+    replaces `W` by the layouts the plan multiplies (the CPU float32 path)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -44,30 +31,25 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.weight_t: torch.Tensor | None = None
-        self.weight_packed: torch.Tensor | None = None
+        self.gemm: PlannedGemm | None = None
 
-    def optimize_for_cpu(self, use_c_kernels: bool) -> None:
-        self.weight_packed, self.weight_t = cpu_weight_copy(self.weight, use_c_kernels)
-        # Release the [out, in] original; only the new copy is used now.
+    def use_gemm_plan(self, plan: GemmPlan) -> None:
+        self.gemm = PlannedGemm(self.weight, plan)
+        # Drop the parameter; the plan's layouts are what is used now (a
+        # `linear` layout still holds the original storage).
         self.weight = None  # type: ignore[assignment]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x W^T` without the bias."""
-        if self.weight_packed is not None:
-            return cpu_gemm.gemm(x, self.weight_packed, self.out_features)
-        if self.weight_t is not None:
-            return torch.mm(x, self.weight_t)
+        if self.gemm is not None:
+            return self.gemm(x)
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return self._matmul(x)
-        if self.weight_packed is not None:
-            return self._matmul(x).add_(self.bias)
-        if self.weight_t is not None:
-            return torch.addmm(self.bias, x, self.weight_t)
-        return F.linear(x, self.weight, self.bias)
+        if self.gemm is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.gemm(x)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class RowParallelLinear(Linear):

@@ -12,12 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayvllm.distributed.parallel_state import ParallelContext, tp_all_reduce, tp_gather_to_driver
-from rayvllm.kernels import cpu_gemm
-from rayvllm.layers.linear import cpu_weight_copy
-
-# Rows up to which the packed kernel beat MKL on the vocabulary product; past
-# it (prompt logprobs) MKL caught up at 1024 rows and was 15% faster at 2048.
-_PACKED_MAX_ROWS = 256
+from rayvllm.kernels.gemm_select import GemmPlan, PlannedGemm
 
 
 def vocab_shard(vocab_size: int, ctx: ParallelContext) -> tuple[int, int, int]:
@@ -58,29 +53,18 @@ class ParallelLMHead(_VocabShard):
     """Logits for this rank's vocabulary rows, gathered on TP rank 0 (the
     only rank that samples); other ranks get None.
 
-    On the CPU (float32) a second copy of the weight serves the rows of a
-    step, one per request: packed for the C kernel (kernels/cpu_gemm.py),
-    which beat MKL's products by 1.3-1.7x at 2-256 rows and matched its
-    GEMV on `weight` at one row, or, without the kernel, transposed, which
-    MKL multiplies by fewer than ~48 rows faster than `[vocab, hidden]`
-    (measured, 2 threads). Larger products (prompt logprobs) use `weight`,
-    which the embedding may share.
+    On the CPU (float32) the product runs the GEMM its plan chose for the
+    row count (kernels/gemm_select.py); `weight` itself stays, as the
+    embedding may share it.
     """
 
-    weight_t: torch.Tensor | None = None
-    weight_packed: torch.Tensor | None = None
+    gemm: PlannedGemm | None = None
 
-    def optimize_for_cpu(self, use_c_kernels: bool) -> None:
-        self.weight_packed, self.weight_t = cpu_weight_copy(self.weight, use_c_kernels)
+    def use_gemm_plan(self, plan: GemmPlan) -> None:
+        self.gemm = PlannedGemm(self.weight, plan)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        rows = hidden.shape[0]
-        if self.weight_packed is not None and rows <= _PACKED_MAX_ROWS:
-            logits = cpu_gemm.gemm(hidden, self.weight_packed, self.weight.shape[0])
-        elif self.weight_t is not None and rows < 48:
-            logits = torch.mm(hidden, self.weight_t)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = self.gemm(hidden) if self.gemm is not None else F.linear(hidden, self.weight)
         full = tp_gather_to_driver(logits, self.parallel)
         if full is None:
             return None

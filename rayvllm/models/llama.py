@@ -23,7 +23,7 @@ from torch import nn
 
 from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.errors import InvalidParameterError
-from rayvllm.kernels import cpu_ops
+from rayvllm.kernels import cpu_ops, gemm_select
 from rayvllm.kernels.metadata import AttentionMetadata
 from rayvllm.layers.attention import Attention
 from rayvllm.layers.layernorm import RMSNorm
@@ -198,14 +198,13 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
 
     def optimize_for_cpu(self, use_c_kernels: bool, fused_kv_write: bool = True) -> None:
-        """After loading, for float32 on the CPU: transposed GEMM layouts (the
-        LM head keeps both), and (when they built) the fused C kernels for
-        norms and, if the attention backend allows it (`fused_kv_write`),
-        RoPE + KV write."""
+        """After loading, for float32 on the CPU: each weight shape's GEMM
+        plan (timed on this CPU, or cached; kernels/gemm_select.py), and
+        (when they built) the fused C kernels for norms and, if the attention
+        backend allows it (`fused_kv_write`), RoPE + KV write."""
+        gemm_select.plan_modules([m for m in self.modules() if isinstance(m, (Linear, ParallelLMHead))], use_c_kernels)
         for module in self.modules():
-            if isinstance(module, (Linear, ParallelLMHead)):
-                module.optimize_for_cpu(use_c_kernels)
-            elif use_c_kernels and isinstance(module, RMSNorm):
+            if use_c_kernels and isinstance(module, RMSNorm):
                 module.use_c_kernel = True
             elif use_c_kernels and fused_kv_write and isinstance(module, LlamaAttention):
                 module.use_c_kernels = True
