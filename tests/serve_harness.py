@@ -1,7 +1,9 @@
 """Start and stop a real `serve run` (or `rayvllm serve`) in a subprocess
-for the integration tests; the app answers on http://127.0.0.1:8000 through
-Serve's proxy, and with `DIRECT_ENV` also on http://127.0.0.1:8100 straight
-from the replica (Serve's direct ingress)."""
+for the integration tests. `serve run` of an import path has no port
+option: Ray puts Serve's proxy on :8000, so the tests of the README's own
+commands use that port. Every other port is picked free per test run: with
+`DIRECT_ENV` the replica answers straight on `DIRECT_PORT` (Serve's direct
+ingress), and `rayvllm serve` tests pass free `--port`/`--proxy-port`."""
 
 from __future__ import annotations
 
@@ -18,8 +20,18 @@ import requests
 from rayvllm.entrypoints.serve_builder import direct_ingress_env
 
 REPO = Path(__file__).resolve().parent.parent
-BASE_URL = "http://127.0.0.1:8000"
-DIRECT_PORT = 8100
+PROXY_PORT = 8000
+BASE_URL = f"http://127.0.0.1:{PROXY_PORT}"
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick for port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+DIRECT_PORT = free_port()
 DIRECT_URL = f"http://127.0.0.1:{DIRECT_PORT}"
 DIRECT_ENV = direct_ingress_env(DIRECT_PORT)
 START_TIMEOUT_S = 240.0
@@ -30,8 +42,9 @@ class ServeProcess:
     the group is gone, and with it the local Ray cluster `serve run` began."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 base_url: str = BASE_URL) -> None:
+                 base_url: str = BASE_URL, ports: tuple[int, ...] = (PROXY_PORT,)) -> None:
         self.base_url = base_url
+        self.ports = ports
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -81,7 +94,7 @@ class ServeProcess:
         self.proc.wait()
         self._log.close()
         deadline = time.monotonic() + 60
-        for port in (8000, 8001, DIRECT_PORT):
+        for port in self.ports:
             while _port_open(port):
                 assert time.monotonic() < deadline, f"port {port} still served after the server stopped"
                 time.sleep(0.5)  # waiting for another process's socket to close
@@ -97,5 +110,6 @@ def serve_run(args: list[str], log_path: Path, direct: bool = False) -> ServePro
     """`serve run`; `direct`: with Serve's direct ingress, waiting on the replica's own port."""
     serve = str(Path(sys.executable).with_name("serve"))
     if direct:
-        return ServeProcess([serve, "run", *args], log_path, env=DIRECT_ENV, base_url=DIRECT_URL)
+        return ServeProcess([serve, "run", *args], log_path, env=DIRECT_ENV, base_url=DIRECT_URL,
+                            ports=(PROXY_PORT, DIRECT_PORT))
     return ServeProcess([serve, "run", *args], log_path)

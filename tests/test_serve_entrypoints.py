@@ -1,6 +1,6 @@
-"""The three ways to start the app answer on :8000: the README's
-`serve run serve_app:app` (demo model, no setup), the shipped Serve config
-file, and `rayvllm serve`."""
+"""The three ways to start the app answer HTTP: the README's `serve run
+serve_app:app` (demo model, no setup) and the shipped Serve config file on
+:8000, as documented, and `rayvllm serve` on the port it is given."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import requests
 
 from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME
 
-from serve_harness import BASE_URL, ServeProcess, serve_run
+from serve_harness import BASE_URL, ServeProcess, free_port, serve_run
 
 
 def _curl_completion() -> dict:
@@ -57,18 +57,21 @@ def test_serve_run_config_file(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path(sys.executable).with_name("rayvllm").exists(), reason="console script not installed")
 def test_rayvllm_serve_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
     cli = str(Path(sys.executable).with_name("rayvllm"))
+    port, proxy_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
     proc = ServeProcess(
         [cli, "serve", "--model", str(tiny_model_dir), "--served-model-name", "cli-model", "--max-model-len", "256",
-         "--kv-cache-memory-bytes", str(32 << 20), "--disable-access-log"],
-        tmp_path / "serve.log",
+         "--kv-cache-memory-bytes", str(32 << 20), "--disable-access-log", "--port", str(port),
+         "--proxy-port", str(proxy_port)],
+        tmp_path / "serve.log", base_url=url, ports=(port, proxy_port),
     )
     try:
         proc.wait_ready()
-        models = requests.get(f"{BASE_URL}/v1/models", timeout=10).json()
+        models = requests.get(f"{url}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["cli-model"]
-        # Direct ingress: the replica holds :8000 and Serve's proxy moved to :8001.
-        assert requests.get("http://127.0.0.1:8001/v1/models", timeout=10).json() == models
-        r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "cli-model", "prompt": "Hi", "max_tokens": 3},
+        # Direct ingress: the replica holds --port and Serve's proxy is on --proxy-port.
+        assert requests.get(f"http://127.0.0.1:{proxy_port}/v1/models", timeout=10).json() == models
+        r = requests.post(f"{url}/v1/completions", json={"model": "cli-model", "prompt": "Hi", "max_tokens": 3},
                           timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
