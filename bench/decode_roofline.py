@@ -41,6 +41,12 @@ is a lower bound. Bandwidth: one `--copy-mib` device tensor copied into
 another, (bytes read + bytes written) / time, median of 10 windows of 5
 copies: on a GPU the device-to-device copy bandwidth, on a CPU memcpy's.
 
+On a CPU the floor is the larger of that and the compute floor (issue 14):
+2 x (the weights above, in parameters) x B FLOPs at the float32 GEMM peak
+measured here (the best of a few large `torch.mm` products, both cores),
+since at tens of rows a CPU decode step is bound by arithmetic, not by
+reading the weights. The table names which bound applies.
+
 Targets named by the issue, printed under the table: decode steps at batch
 64-256 within 1.6x of the floor (at least ~60% of the roofline), with CUDA
 graphs. A verdict on a CPU, in eager mode or at another B is informational.
@@ -62,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     PRESETS,
     build_model,
+    cpu_line,
     default_dtype,
     format_table,
     load_engine,
@@ -94,6 +101,7 @@ class BatchResult:
     kv_bytes: float  # at the mean context
     ratio: float  # step / floor
     roofline_pct: float  # 100 / ratio
+    bound: str  # "memory" or "compute"
 
 
 def _sync(device: Any) -> None:
@@ -121,6 +129,29 @@ def copy_bandwidth(device: Any, mib: int) -> float:
         _sync(device)
         windows.append(time.perf_counter() - t0)
     return 2 * n * _COPIES_PER_WINDOW / median(windows)
+
+
+def gemm_peak_flops(device: Any, dtype: str) -> float:
+    """FLOP/s of the best of a few large products in `dtype` (the GEMM peak
+    a decode step's arithmetic can reach here)."""
+    import torch
+
+    best = 0.0
+    for m, n, k in ((1024, 1024, 1024), (512, 4096, 1024), (2048, 2048, 768)):
+        a = torch.randn(m, k, device=device).to(getattr(torch, dtype))
+        b = torch.randn(k, n, device=device).to(getattr(torch, dtype))
+        for _ in range(2):
+            a @ b
+        windows = []
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                a @ b
+            _sync(device)
+            windows.append((time.perf_counter() - t0) / 5)
+        best = max(best, 2 * m * n * k / median(windows))
+    return best
 
 
 def weight_bytes_per_step(model_dir: str, dtype: str) -> int:
@@ -197,12 +228,16 @@ def time_decode(
 
 
 def summarise(
-    batch: int, steps: list[DecodeStep], weight_bytes: int, kv_bytes_per_token: float, bandwidth: float
+    batch: int, steps: list[DecodeStep], weight_bytes: int, kv_bytes_per_token: float, bandwidth: float,
+    flops_per_row: float = 0.0, peak_flops: float = 0.0,
 ) -> BatchResult:
+    """`flops_per_row` / `peak_flops`: the compute floor's terms (0: memory floor only)."""
     mean_context_tokens = sum(s.context_tokens for s in steps) / len(steps)
     kv_bytes = kv_bytes_per_token * mean_context_tokens
     step_s = median([s.seconds for s in steps])
-    floor_s = (weight_bytes + kv_bytes) / bandwidth
+    memory_s = (weight_bytes + kv_bytes) / bandwidth
+    compute_s = flops_per_row * batch / peak_flops if peak_flops else 0.0
+    floor_s = max(memory_s, compute_s)
     ratio = step_s / floor_s
     return BatchResult(
         batch=batch,
@@ -213,6 +248,7 @@ def summarise(
         kv_bytes=kv_bytes,
         ratio=ratio,
         roofline_pct=100.0 / ratio,
+        bound="compute" if compute_s > memory_s else "memory",
     )
 
 
@@ -246,6 +282,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     bandwidth = copy_bandwidth(device, args.copy_mib)
     weight_bytes = weight_bytes_per_step(model, dtype)
+    # The compute floor applies on CPUs (see the module docstring).
+    peak = 0.0 if on_gpu else gemm_peak_flops(device, dtype)
+    flops_per_row = 2.0 * weight_bytes / getattr(torch, dtype).itemsize
     extra = dict(device=args.device, dtype=dtype, enforce_eager=args.enforce_eager,
                  attention_backend=args.attention_backend)
     llm, sampling_params, _ = load_engine(
@@ -264,15 +303,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         timer = DecodeTimer(runner, device)
         results = [
             summarise(b, time_decode(llm, sampling_params, timer, b, max_tokens, vocab, args), weight_bytes,
-                      kv_bytes_per_token, bandwidth)
+                      kv_bytes_per_token, bandwidth, flops_per_row, peak)
             for b in batches
         ]
         backend = runner.attn_backend.name
     finally:
         shutdown_engine(llm)
-    device_name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
+    device_name = torch.cuda.get_device_name(device) if on_gpu else cpu_line()
     rows = [
-        [str(r.batch), f"{r.mean_context:.0f}", f"{r.step_ms:.3f}", f"{r.floor_ms:.3f}",
+        [str(r.batch), f"{r.mean_context:.0f}", f"{r.step_ms:.3f}", f"{r.floor_ms:.3f}", r.bound,
          f"{r.weight_bytes / 1e6:.1f}", f"{r.kv_bytes / 1e6:.1f}", f"{r.ratio:.2f}x", f"{r.roofline_pct:.0f}%"]
         for r in results
     ]
@@ -280,9 +319,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"CUDA graphs {'on' if graphs else 'off'}; median of {args.steps} decode steps after {args.warmup_steps}")
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ((read + written bytes) / time, "
           f"{args.copy_mib} MiB device-to-device copies{'' if on_gpu else ', memcpy: informational'})")
+    if peak:
+        print(f"{dtype} GEMM peak {peak / 1e9:.0f} GFLOP/s (best large torch.mm); compute floor "
+              f"2 x {flops_per_row / 2e6:.1f}M parameters x B")
     print()
     print(format_table(
-        ["B", "context/seq", "step ms", "floor ms", "weights MB", "KV MB", "step/floor", "% of roofline"], rows
+        ["B", "context/seq", "step ms", "floor ms", "bound", "weights MB", "KV MB", "step/floor", "% of roofline"],
+        rows,
     ))
     print()
     for r in results:
@@ -298,6 +341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
         "copy_bandwidth_bytes_per_s": bandwidth,
+        "gemm_peak_flops": peak,
         "kv_bytes_per_token": kv_bytes_per_token,
         "results": [asdict(r) for r in results],
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,14 @@ def default_isa() -> str:
 
 def available(isa: str | None = None) -> bool:
     return _library(isa or default_isa()) is not None
+
+
+def library_id(isa: str | None = None) -> str:
+    """The built library's file name, which names its source, flags, compiler
+    and CPU (kernels/cbuild.py): a plan timed against another build is stale."""
+    lib = _library(isa or default_isa())
+    assert lib is not None
+    return Path(lib._name).name
 
 
 def tile_cols(isa: str | None = None) -> int:

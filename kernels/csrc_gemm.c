@@ -29,6 +29,7 @@
  * pack for.
  */
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -45,7 +46,9 @@
 #define ROW_CHUNK (16 * ROWS)
 /* Weight-tile rows fetched ahead (2 KiB); hardware prefetch alone left the
  * 16-row LM head product 20% slower on AVX-512. */
+#ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS (2048 / (TILE * 4))
+#endif
 
 /* VEC floats; aligned(4) so loads and stores need no vector alignment. */
 typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
@@ -63,9 +66,12 @@ void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k) {
 }
 
 /* rows (<= ROWS) x TILE outputs; `rows` is a literal at every call site, so
- * the accumulators become registers. */
+ * the accumulators become registers. Iteration i also fetches line i of
+ * `pf` (while i < pf_lines) into L2: part of the next tile, so that its
+ * read from memory overlaps this tile's arithmetic. */
 static inline __attribute__((always_inline)) void tile_block(
-    const float *x, int64_t ldx, const float *wt, float *out, int64_t ldo, int64_t k, int rows) {
+    const float *x, int64_t ldx, const float *wt, float *out, int64_t ldo, int64_t k, int rows,
+    const float *pf, int64_t pf_lines) {
     vf lo[ROWS], hi[ROWS];
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
@@ -75,6 +81,7 @@ static inline __attribute__((always_inline)) void tile_block(
     for (int64_t i = 0; i < k; i++) {
         /* One prefetch per 64-byte line of the tile row (a constant trip count). */
         for (int c = 0; c < TILE; c += 16) __builtin_prefetch(wt + (i + PREFETCH_ROWS) * TILE + c);
+        if (i < pf_lines) __builtin_prefetch(pf + i * 16, 0, 2);
         vf wlo = *(const vf *)(wt + i * TILE);
         vf whi = *(const vf *)(wt + i * TILE + VEC);
 #pragma GCC unroll 12
@@ -91,28 +98,36 @@ static inline __attribute__((always_inline)) void tile_block(
     }
 }
 
-static void tile_rows(const float *x, int64_t ldx, const float *wt, float *out, int64_t ldo, int64_t k, int64_t m) {
-    int64_t r = 0;
-    for (; r + ROWS <= m; r += ROWS) tile_block(x + r * ldx, ldx, wt, out + r * ldo, ldo, k, ROWS);
+/* All m rows against one tile. `next` (or NULL): the tile to fetch ahead,
+ * its lines spread over this tile's row blocks. */
+static void tile_rows(const float *x, int64_t ldx, const float *wt, float *out, int64_t ldo, int64_t k, int64_t m,
+                      const float *next) {
+    const int64_t blocks = (m + ROWS - 1) / ROWS;
+    const int64_t lines = next ? TILE * k / 16 : 0;
+    const int64_t per_block = (lines + blocks - 1) / blocks;
+    int64_t r = 0, b = 0;
+#define PF_ARGS next + b * per_block * 16, (lines - b * per_block < per_block ? lines - b * per_block : per_block)
+    for (; r + ROWS <= m; r += ROWS, b++) tile_block(x + r * ldx, ldx, wt, out + r * ldo, ldo, k, ROWS, PF_ARGS);
     const float *xr = x + r * ldx;
     float *o = out + r * ldo;
     /* `rows` must be a literal for the accumulators to stay in registers. */
     switch (m - r) {
 #if ROWS > 6
-        case 11: tile_block(xr, ldx, wt, o, ldo, k, 11); break;
-        case 10: tile_block(xr, ldx, wt, o, ldo, k, 10); break;
-        case 9: tile_block(xr, ldx, wt, o, ldo, k, 9); break;
-        case 8: tile_block(xr, ldx, wt, o, ldo, k, 8); break;
-        case 7: tile_block(xr, ldx, wt, o, ldo, k, 7); break;
-        case 6: tile_block(xr, ldx, wt, o, ldo, k, 6); break;
+        case 11: tile_block(xr, ldx, wt, o, ldo, k, 11, PF_ARGS); break;
+        case 10: tile_block(xr, ldx, wt, o, ldo, k, 10, PF_ARGS); break;
+        case 9: tile_block(xr, ldx, wt, o, ldo, k, 9, PF_ARGS); break;
+        case 8: tile_block(xr, ldx, wt, o, ldo, k, 8, PF_ARGS); break;
+        case 7: tile_block(xr, ldx, wt, o, ldo, k, 7, PF_ARGS); break;
+        case 6: tile_block(xr, ldx, wt, o, ldo, k, 6, PF_ARGS); break;
 #endif
-        case 5: tile_block(xr, ldx, wt, o, ldo, k, 5); break;
-        case 4: tile_block(xr, ldx, wt, o, ldo, k, 4); break;
-        case 3: tile_block(xr, ldx, wt, o, ldo, k, 3); break;
-        case 2: tile_block(xr, ldx, wt, o, ldo, k, 2); break;
-        case 1: tile_block(xr, ldx, wt, o, ldo, k, 1); break;
+        case 5: tile_block(xr, ldx, wt, o, ldo, k, 5, PF_ARGS); break;
+        case 4: tile_block(xr, ldx, wt, o, ldo, k, 4, PF_ARGS); break;
+        case 3: tile_block(xr, ldx, wt, o, ldo, k, 3, PF_ARGS); break;
+        case 2: tile_block(xr, ldx, wt, o, ldo, k, 2, PF_ARGS); break;
+        case 1: tile_block(xr, ldx, wt, o, ldo, k, 1, PF_ARGS); break;
         default: break;
     }
+#undef PF_ARGS
 }
 
 /* Tiles [t0, t1) of the output. A full tile is written in place; the padded
@@ -124,12 +139,12 @@ static void gemm_tiles(const float *x, const float *packed, float *y, int64_t m,
         const float *wt = packed + t * TILE * k;
         int64_t col = t * TILE;
         if (col + TILE <= n) {
-            tile_rows(x, k, wt, y + col, n, k, m);
+            tile_rows(x, k, wt, y + col, n, k, m, t + 1 < t1 ? wt + TILE * k : NULL);
             continue;
         }
         for (int64_t r = 0; r < m; r += ROWS) {
             int64_t rows = m - r < ROWS ? m - r : ROWS;
-            tile_rows(x + r * k, k, wt, scratch, TILE, k, rows);
+            tile_rows(x + r * k, k, wt, scratch, TILE, k, rows, NULL);
             for (int64_t i = 0; i < rows; i++) memcpy(y + (r + i) * n + col, scratch + i * TILE, (size_t)(n - col) * sizeof(float));
         }
     }

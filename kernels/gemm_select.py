@@ -254,7 +254,7 @@ def plan_modules(modules: Sequence[GemmModule], use_c_kernels: bool) -> None:
 
 def _cache_key(out_features: int, in_features: int, candidates: Sequence[str]) -> str:
     info = cpu_info()
-    isa = cpu_gemm.default_isa() if "packed" in candidates else "-"
+    isa = cpu_gemm.library_id() if "packed" in candidates else "-"
     fields = [info.model, isa, " ".join(sorted(info.flags)), torch.__version__, f"threads={torch.get_num_threads()}",
               f"{out_features}x{in_features}", ",".join(candidates), ",".join(map(str, ROW_BUCKETS)),
               os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]
