@@ -26,6 +26,7 @@ version, thread count and shape, so a restart does not time again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -59,7 +60,7 @@ _TIMING_MAX_WEIGHTS = 8
 # Timing per (candidate, bucket): at least this many passes over the weights
 # and this long, best pass kept.
 _MIN_PASSES = 3
-_MIN_SECONDS = 0.02
+_MIN_SECONDS = 0.01
 
 Layout = torch.Tensor
 GemmFn = Callable[[torch.Tensor, Layout], torch.Tensor]
@@ -223,11 +224,14 @@ class PlannedGemm:
         self.plan = plan
         out_features = weight.shape[0]
         layouts = {c: make_layout(c, weight) for c in plan.layouts}
-        self._by_bucket = [(gemm_fn(c, out_features), layouts[c]) for c in plan.by_bucket]
+        by_bucket = [functools.partial(gemm_fn(c, out_features), w=layouts[c]) for c in plan.by_bucket]
+        # Indexed by row count (the last entry serves every larger count): the
+        # hot path is one list lookup, no bucket arithmetic.
+        self._for_rows = [by_bucket[bucket_index(max(rows, 1))] for rows in range(ROW_BUCKETS[-1] + 1)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        fn, layout = self._by_bucket[bucket_index(x.shape[0])]
-        return fn(x, layout)
+        rows = x.shape[0]
+        return self._for_rows[rows if rows < len(self._for_rows) else -1](x)
 
 
 class GemmModule(Protocol):

@@ -63,13 +63,16 @@ def test_decode_roofline_cpu_table(script_env: dict[str, str], tmp_path: Path) -
     rows = [line.split() for line in lines[header + 2 : header + 4]]
     assert [r[0] for r in rows] == ["2", "3"]
     for row in rows:
-        # context, step ms, floor ms, weights MB, KV MB, step/floor, % of roofline
-        assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0 and float(row[4]) > 0
-        assert float(row[5]) > 0 and float(row[6].rstrip("x")) > 0 and float(row[7].rstrip("%")) > 0
+        # context, step ms, floor ms, bound, weights MB, KV MB, step/floor, % of roofline
+        assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0 and row[4] in ("memory", "compute")
+        assert float(row[5]) > 0 and float(row[6]) > 0 and float(row[7].rstrip("x")) > 0
+        assert float(row[8].rstrip("%")) > 0
     assert sum(line.startswith("target B=") for line in lines) == 2
     assert "informational" in out
     summary = json.loads(json_out.read_text())
     assert summary["cuda_graphs"] is False and summary["copy_bandwidth_bytes_per_s"] > 0
+    # On a CPU the floor is the larger of the memory and the compute floor.
+    assert summary["gemm_peak_flops"] > 0
     for r in summary["results"]:
         # Decoding 12-token prompts: every timed step attends over more than the prompt.
         assert r["mean_context"] > 12 and r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"])
@@ -108,3 +111,19 @@ def test_qwen3_preset_shape_and_bf16_checkpoint(tmp_path: Path) -> None:
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+def test_gemm_bench_names_its_cpu_and_plan(script_env: dict[str, str]) -> None:
+    """bench/gemm.py (issue 14): the CPU line heads the table, every shape
+    and the step total get a row per row count, and the plan column names a
+    candidate that was timed."""
+    from rayvllm.kernels import gemm_select
+    from rayvllm.kernels.cpu_isa import cpu_info
+
+    out = _run([str(BENCH / "gemm.py"), "--preset", "tiny", "--rows", "1,4"], script_env)
+    lines = out.splitlines()
+    assert cpu_info().model in lines[0] and "rayvllm kernels" in lines[0]
+    rows = [line.split() for line in lines if line.split()[:1] in (["1"], ["4"])]
+    assert [r[1] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head", "step"] * 2
+    candidates = gemm_select.available_candidates()
+    assert all(r[-2] in candidates for r in rows if r[1] != "step")
