@@ -52,6 +52,19 @@ static inline float exp_nonpos(float x) {
     return x <= -87.3f ? 0.0f : p * scale.f;
 }
 
+/* Each of `heads` rows of `scores` (stride `stride`): soft-max of its first
+ * `ctx` entries in place, max-subtracted. */
+static void softmax_rows(float *scores, int64_t heads, int64_t stride, int64_t ctx) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * stride;
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < ctx; p++) m = s[p] > m ? s[p] : m;
+        for (int64_t p = 0; p < ctx; p++) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < ctx; p++) s[p] *= inv;
+    }
+}
+
 /* Inlined once per common head size (with the default block size) so that
  * loops over D and the block have compile-time trip counts. D must be a
  * multiple of 4 and the block size at most MAX_BLOCK. */
@@ -86,14 +99,7 @@ static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64
                     s[i] = ((part[0][i] + part[1][i]) + (part[2][i] + part[3][i])) * j->scale;
             }
         }
-        for (int64_t h = 0; h < H; h++) {
-            float *s = scores + h * max_ctx;
-            float m = -INFINITY, sum = 0.f;
-            for (int64_t p = 0; p < ctx; p++) m = s[p] > m ? s[p] : m;
-            for (int64_t p = 0; p < ctx; p++) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
-            const float inv = 1.f / sum;
-            for (int64_t p = 0; p < ctx; p++) s[p] *= inv;
-        }
+        softmax_rows(scores, H, max_ctx, ctx);
         /* Pass 2: weighted sum of values, accumulated per head in L1. */
         memset(acc, 0, sizeof(float) * H * D);
         for (int64_t p = 0; p < ctx; p++) {
@@ -111,17 +117,178 @@ static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64
     free(acc);
 }
 
-static void run(job_t *j) {
-    if (j->bs == 16) {
-        switch (j->D) {
-            case 32: run_impl(j, 32, 16); return;
-            case 48: run_impl(j, 48, 16); return;
-            case 64: run_impl(j, 64, 16); return;
-            case 80: run_impl(j, 80, 16); return;
-            case 96: run_impl(j, 96, 16); return;
-            case 128: run_impl(j, 128, 16); return;
-            case 256: run_impl(j, 256, 16); return;
+/* ---- Block size 16, head size a multiple of 16: explicit vectors --------
+ *
+ * The generic path above keeps its partial sums in stack arrays, which the
+ * compiler leaves in memory: every FMA loads and stores an accumulator. Here
+ * accumulators are vector registers, sized for the ISA the file is built
+ * for (kernels/cpu_isa.py), and the query heads of one KV group share each
+ * key and value load. Pass 1 sums over d in two interleaved partials when a
+ * block row is one vector (AVX-512), to break the FMA latency chain. */
+#if defined(__AVX512F__)
+#define VEC 16
+#define P1_HEADS 4
+#define P2_HEADS 4
+#define P2_VECS 4
+#elif defined(__AVX2__)
+#define VEC 8
+#define P1_HEADS 4
+#define P2_HEADS 2
+#define P2_VECS 4
+#else
+#define VEC 4
+#define P1_HEADS 2
+#define P2_HEADS 2
+#define P2_VECS 2
+#endif
+#define ROW_VECS (16 / VEC)
+#define P1_PARTS (ROW_VECS == 1 ? 2 : 1)
+typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
+
+/* Scores of one block's 16 positions for `gh` consecutive query heads:
+ * queries q [gh][D], scores s [gh][stride]. With `shared` the heads are one
+ * KV group and all read the keys kh [D][16]; without it (no GQA) head g
+ * reads its own keys at kh + g * D * 16. `gh` and `shared` are literals. */
+static inline __attribute__((always_inline)) void block_scores(const float *kh, const float *q, int64_t D,
+                                                               float *s, int64_t stride, float scale, int gh,
+                                                               int shared) {
+    vf acc[P1_HEADS][ROW_VECS][P1_PARTS];
+    for (int g = 0; g < gh; g++)
+        for (int v = 0; v < ROW_VECS; v++)
+            for (int p = 0; p < P1_PARTS; p++) acc[g][v][p] = (vf){0};
+    for (int64_t d = 0; d < D; d += P1_PARTS) {
+        for (int p = 0; p < P1_PARTS; p++) {
+            vf k[ROW_VECS];
+            for (int v = 0; v < ROW_VECS; v++) k[v] = *(const vf *)(kh + (d + p) * 16 + v * VEC);
+            for (int g = 0; g < gh; g++) {
+                const float qv = q[g * D + d + p];
+                for (int v = 0; v < ROW_VECS; v++) {
+                    const vf kg = shared ? k[v] : *(const vf *)(kh + g * D * 16 + (d + p) * 16 + v * VEC);
+                    acc[g][v][p] += kg * qv;
+                }
+            }
         }
+    }
+    for (int g = 0; g < gh; g++)
+        for (int v = 0; v < ROW_VECS; v++) {
+            vf sum = acc[g][v][0];
+            for (int p = 1; p < P1_PARTS; p++) sum += acc[g][v][p];
+            *(vf *)(s + g * stride + v * VEC) = sum * scale;
+        }
+}
+
+/* out[g][0 .. nv*VEC) = sum over positions p < ctx of w[g][p] * V[p] for
+ * `gh` consecutive heads and `nv` vectors of the head dimension; `voff`
+ * selects the first head's KV head and slice within a position's row. With
+ * `shared` the heads are one KV group (one V slice), without it head g
+ * reads the slice D floats further on. `gh`, `nv`, `shared` are literals. */
+static inline __attribute__((always_inline)) void block_values(const job_t *j, const int64_t *bt, int64_t ctx,
+                                                               const float *w, int64_t stride, int64_t voff,
+                                                               float *out, int gh, int nv, int shared) {
+    const int64_t row = j->KVH * j->D;
+    vf acc[P2_HEADS][P2_VECS];
+    for (int g = 0; g < gh; g++)
+        for (int c = 0; c < nv; c++) acc[g][c] = (vf){0};
+    for (int64_t b = 0; b * 16 < ctx; b++) {
+        const int64_t n = ctx - b * 16 < 16 ? ctx - b * 16 : 16;
+        const float *vb = j->vc + bt[b] * 16 * row + voff;
+        for (int64_t i = 0; i < n; i++) {
+            vf v[P2_VECS];
+            for (int c = 0; c < nv; c++) v[c] = *(const vf *)(vb + i * row + c * VEC);
+            for (int g = 0; g < gh; g++) {
+                const float wv = w[g * stride + b * 16 + i];
+                for (int c = 0; c < nv; c++)
+                    acc[g][c] += (shared ? v[c] : *(const vf *)(vb + i * row + g * j->D + c * VEC)) * wv;
+            }
+        }
+    }
+    for (int g = 0; g < gh; g++)
+        for (int c = 0; c < nv; c++) *(vf *)(out + g * j->D + c * VEC) = acc[g][c];
+}
+
+/* Heads go in runs of up to P*_HEADS that share a KV head (GQA), or, with
+ * one query head per KV head, runs of consecutive heads, each with its own
+ * keys and values: either way several independent accumulator chains. */
+static void run_bs16(job_t *j) {
+    const int64_t H = j->H, KVH = j->KVH, G = j->H / j->KVH, D = j->D;
+    const int shared = G > 1;
+    /* A run never crosses a KV group: runs of a group's G heads, or of any heads without GQA. */
+    const int64_t span = shared ? G : H;
+    /* Whole blocks of scores are stored, so each row has room up to a block boundary. */
+    const int64_t stride = ((j->max_ctx > 0 ? j->max_ctx : 1) + 15) / 16 * 16;
+    float *scores = (float *)malloc(sizeof(float) * H * stride);
+    for (int64_t t = j->t_begin; t < j->t_end; t++) {
+        const int64_t ctx = j->ctx_lens[t];
+        const int64_t *bt = j->block_tables + j->seq_rows[t] * j->bt_stride;
+        const float *qt = j->q + t * H * D;
+        for (int64_t b = 0; b * 16 < ctx; b++) {
+            const float *kb = j->kc + bt[b] * KVH * D * 16;
+            for (int64_t h = 0; h < H;) {
+                const int64_t left = span - h % span;
+                const int gh = (int)(left < P1_HEADS ? left : P1_HEADS);
+                const float *kh = kb + (h / G) * D * 16, *qh = qt + h * D;
+                float *s = scores + h * stride + b * 16;
+#define SCORES(GH) shared ? block_scores(kh, qh, D, s, stride, j->scale, GH, 1) \
+                          : block_scores(kh, qh, D, s, stride, j->scale, GH, 0)
+                switch (gh) {
+                    case 1: SCORES(1); break;
+#if P1_HEADS > 2
+                    case 3: SCORES(3); break;
+                    case 4: SCORES(4); break;
+#endif
+                    default: SCORES(2); break;
+                }
+#undef SCORES
+                h += gh;
+            }
+        }
+        softmax_rows(scores, H, stride, ctx);
+        for (int64_t h = 0; h < H;) {
+            const int64_t left = span - h % span;
+            const int gh = (int)(left < P2_HEADS ? left : P2_HEADS);
+            for (int64_t c0 = 0; c0 < D / VEC; c0 += P2_VECS) {
+                const int nv = (int)(D / VEC - c0 < P2_VECS ? D / VEC - c0 : P2_VECS);
+                const float *w = scores + h * stride;
+                float *o = j->out + (t * H + h) * D + c0 * VEC;
+                const int64_t voff = (h / G) * D + c0 * VEC;
+                /* All three must be literals for the accumulators to be registers. */
+#define VALUES(GH, NV) shared ? block_values(j, bt, ctx, w, stride, voff, o, GH, NV, 1) \
+                              : block_values(j, bt, ctx, w, stride, voff, o, GH, NV, 0)
+                switch (gh * 8 + nv) {
+                    case 8 + 1: VALUES(1, 1); break;
+                    case 8 + 2: VALUES(1, 2); break;
+                    case 16 + 1: VALUES(2, 1); break;
+                    case 16 + 2: VALUES(2, 2); break;
+#if P2_VECS > 2
+                    case 8 + 3: VALUES(1, 3); break;
+                    case 8 + 4: VALUES(1, 4); break;
+                    case 16 + 3: VALUES(2, 3); break;
+                    case 16 + 4: VALUES(2, 4); break;
+#endif
+#if P2_HEADS > 2
+                    case 24 + 1: VALUES(3, 1); break;
+                    case 24 + 2: VALUES(3, 2); break;
+                    case 24 + 3: VALUES(3, 3); break;
+                    case 24 + 4: VALUES(3, 4); break;
+                    case 32 + 1: VALUES(4, 1); break;
+                    case 32 + 2: VALUES(4, 2); break;
+                    case 32 + 3: VALUES(4, 3); break;
+                    case 32 + 4: VALUES(4, 4); break;
+#endif
+                    default: break;
+                }
+#undef VALUES
+            }
+            h += gh;
+        }
+    }
+    free(scores);
+}
+
+static void run(job_t *j) {
+    if (j->bs == 16 && j->D % 16 == 0) {
+        run_bs16(j);
+        return;
     }
     run_impl(j, j->D, j->bs);
 }

@@ -39,7 +39,7 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("block_size,head_size", [(16, 32), (8, 48), (4, 64)])
+@pytest.mark.parametrize("block_size,head_size", [(16, 32), (16, 48), (16, 128), (8, 48), (4, 64)])
 def test_c_decode_kernel_matches_reference(isa: str, heads: int, kv_heads: int, block_size: int, head_size: int) -> None:
     _require(isa, cpu_attention.available)
     gen = torch.Generator().manual_seed(heads * 1000 + block_size * 10 + head_size)
