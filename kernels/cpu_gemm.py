@@ -19,6 +19,7 @@ import torch
 
 from rayvllm.kernels.cbuild import load_library
 from rayvllm.kernels.cpu_isa import selected_isa
+from rayvllm.kernels.host_memory import empty_huge
 
 
 @lru_cache(maxsize=None)
@@ -64,7 +65,7 @@ def pack_weight(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     assert lib is not None and weight.dtype == torch.float32
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    packed = torch.empty(-(-n // lib.tile), k, lib.tile)
+    packed = empty_huge((-(-n // lib.tile), k, lib.tile))
     lib.pack_weight_f32(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 

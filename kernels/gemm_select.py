@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from rayvllm.kernels import cpu_gemm
 from rayvllm.kernels.cpu_isa import cpu_info
+from rayvllm.kernels.host_memory import empty_huge
 from rayvllm.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def make_layout(candidate: str, weight: torch.Tensor) -> Layout:
     if candidate == "linear":
         return weight.contiguous()
     if candidate == "mm_t":
-        return weight.t().contiguous()
+        return empty_huge((weight.shape[1], weight.shape[0])).copy_(weight.t())
     if candidate == "packed":
         return cpu_gemm.pack_weight(weight)
     if candidate == "mkldnn":

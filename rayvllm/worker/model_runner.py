@@ -28,6 +28,7 @@ from rayvllm.distributed.parallel_state import (
 )
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
+from rayvllm.kernels.host_memory import empty_huge
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
@@ -151,11 +152,16 @@ class ModelRunner:
             k_shape, v_shape = self.attn_backend.kv_cache_shapes(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
             )
-            k = torch.zeros(k_shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(v_shape, dtype=self.dtype, device=self.device)
+            k, v = (self._zeroed_cache(shape) for shape in (k_shape, v_shape))
             layer.bind_kv_cache(k, v, self.attn_backend)
             caches.append((k, v))
         return caches
+
+    def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A KV cache tensor; on the CPU on huge pages, since decode attention streams it."""
+        if self.device.type == "cpu":
+            return empty_huge(tuple(shape), self.dtype).zero_()
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _cuda_graphs_enabled(self) -> bool:
         """Graphs are for single-rank CUDA workers whose backend can be
