@@ -11,11 +11,10 @@ import ray
 import torch
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.scheduler import SchedulerStats
 from rayvllm.distributed.rpc_channel import ChannelServer
-from rayvllm.engine.core_output import EngineCoreOutput
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import IntakeStalledError, RequestIntake
+from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
 
 # A step call's intake messages were sent before it, on a connection to the
 # same actor; not seeing them within this long means that channel is broken.

@@ -39,10 +39,10 @@ import torch  # noqa: E402
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from rayvllm.core.sched.output import SchedulerOutput  # noqa: E402
 from rayvllm.engine.engine_core import EngineCore  # noqa: E402
+from rayvllm.engine_types import ModelRunnerOutput  # noqa: E402
 from rayvllm.executor.base import Executor  # noqa: E402
 from rayvllm.request import EngineCoreRequest  # noqa: E402
 from rayvllm.sampling_params import SamplingParams  # noqa: E402
-from rayvllm.worker.outputs import ModelRunnerOutput  # noqa: E402
 
 MODEL_STEPS_MS = (20.0, 50.0)
 

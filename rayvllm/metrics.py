@@ -36,7 +36,7 @@ from prometheus_client import (
 if TYPE_CHECKING:
     # Types only: the engine imports this module, and the scheduler module
     # imports engine code, so a runtime import could close a cycle.
-    from rayvllm.core.sched.scheduler import SchedulerStats
+    from rayvllm.engine_types import SchedulerStats
     from rayvllm.outputs import RequestOutput
 
 __all__ = [

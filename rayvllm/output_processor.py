@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rayvllm.detokenizer import RequestDetokenizer
-from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine_types import EngineCoreOutput, LogprobsLists
 from rayvllm.errors import InvalidParameterError
 from rayvllm.outputs import (
     CompletionOutput,
@@ -32,7 +32,6 @@ from rayvllm.outputs import (
     SampleLogprobs,
 )
 from rayvllm.request import EngineCoreRequest, FinishReason
-from rayvllm.worker.outputs import LogprobsLists
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

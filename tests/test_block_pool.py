@@ -18,11 +18,11 @@ from rayvllm.core.block_pool import (
 )
 from rayvllm.core.kv_cache_utils import (
     ROOT_BLOCK_HASH,
-    PrefixCacheStats,
     hash_block_tokens,
     hash_request_tokens,
     request_extra_keys,
 )
+from rayvllm.engine_types import PrefixCacheStats
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:

@@ -16,10 +16,10 @@ from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfi
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import IntakeStalledError, RequestIntake
+from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.executor.base import Executor
 from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SamplingParams
-from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 def request(rid: str, max_tokens: int = 20) -> EngineCoreRequest:

@@ -7,8 +7,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rayvllm.core.kv_cache_utils import PrefixCacheStats
-from rayvllm.core.sched.scheduler import SchedulerStats
+from rayvllm.engine_types import PrefixCacheStats, SchedulerStats
 from rayvllm.metrics import (
     FINISH_REASONS,
     LATENCY_BUCKETS_S,

@@ -24,14 +24,13 @@ from rayvllm.detokenizer import (
     make_incremental_detokenizer,
     partial_stop_length,
 )
-from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine_types import EngineCoreOutput, LogprobsLists
 from rayvllm.errors import InvalidParameterError
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.outputs import Logprob, RequestOutput, RequestOutputKind
 from rayvllm.processor import Processor, fan_out
 from rayvllm.request import EngineCoreRequest, FinishReason
 from rayvllm.sampling_params import SamplingParams
-from rayvllm.worker.outputs import LogprobsLists
 
 EOS = 2
 IM_START, IM_END = 3, 4

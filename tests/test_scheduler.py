@@ -6,9 +6,9 @@ from __future__ import annotations
 from rayvllm.config import CacheConfig, SchedulerConfig
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.core.sched.scheduler import Scheduler
+from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.request import EngineCoreRequest, FinishReason, Request, RequestStatus
 from rayvllm.sampling_params import SamplingParams
-from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 def make_scheduler(

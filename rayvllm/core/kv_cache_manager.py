@@ -24,12 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rayvllm.core.block_pool import BlockPool, BlockPoolListener, KVCacheBlock
-from rayvllm.core.kv_cache_utils import (
-    BlockHash,
-    PrefixCacheStats,
-    hash_block_tokens,
-    request_extra_keys,
-)
+from rayvllm.core.kv_cache_utils import BlockHash, hash_block_tokens, request_extra_keys
+from rayvllm.engine_types import PrefixCacheStats
 from rayvllm.request import Request
 
 

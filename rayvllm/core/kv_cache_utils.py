@@ -19,7 +19,6 @@ import hashlib
 import pickle
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NewType
 
 # A 32-byte SHA-256 digest. `bytes` is hashable and compares by value, so it
@@ -107,24 +106,3 @@ def hash_request_tokens(
     return hashes
 
 
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters since the last `reset()`.
-
-    `requests`: lookups performed; `queries`: prompt tokens looked up;
-    `hits`: tokens served from the cache. Invariant: `0 <= hits <= queries`.
-    """
-
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-
-    def reset(self) -> None:
-        self.requests = 0
-        self.queries = 0
-        self.hits = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of queried tokens that hit; 0.0 when nothing was queried."""
-        return self.hits / self.queries if self.queries else 0.0

@@ -23,11 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, cast
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.scheduler import SchedulerStats
-from rayvllm.engine.core_output import EngineCoreOutput
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.llm_engine import make_engine_core
 from rayvllm.engine_args import EngineArgs
+from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError
 from rayvllm.metrics import EngineMetrics
 from rayvllm.output_processor import OutputProcessor

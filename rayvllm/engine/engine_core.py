@@ -27,12 +27,12 @@ from rayvllm.config import EngineConfig
 from rayvllm.core.dp_router import DPRouter, RankLoad
 from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.core.sched.scheduler import Scheduler, SchedulerStats
-from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine.intake import RequestIntake
-from rayvllm.executor.base import Executor, PendingOutput, create_executor
+from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from rayvllm.executor.base import Executor, PendingOutput
+from rayvllm.executor.factory import create_executor
 from rayvllm.request import EngineCoreRequest, Request
-from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 @dataclass

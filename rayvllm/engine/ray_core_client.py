@@ -32,9 +32,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
-from rayvllm.core.sched.scheduler import SchedulerStats
 from rayvllm.distributed.rpc_channel import ChannelClient
-from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.errors import EngineDeadError
 from rayvllm.executor.placement import HOT_PATH_RUNTIME_ENV
 from rayvllm.request import EngineCoreRequest

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.worker.outputs import ModelRunnerOutput
+from rayvllm.engine_types import ModelRunnerOutput
 
 
 class PendingOutput(Protocol):
@@ -47,15 +47,3 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         pass
-
-
-def create_executor(config: EngineConfig, dp_rank: int = 0) -> Executor:
-    """The worker group of one data-parallel rank: Ray actors when any
-    parallel size exceeds 1 or the Ray backend is asked for, else in-process."""
-    if config.parallel_config.use_ray:
-        from rayvllm.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config, dp_rank)
-    from rayvllm.executor.uniproc import UniProcExecutor
-
-    return UniProcExecutor(config)

@@ -23,6 +23,7 @@ from rayvllm.actors.worker_actor import WorkerActor
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.rpc_channel import ChannelClient, pickle_call
+from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.errors import DistributedInitError, EngineDeadError
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.placement import (
@@ -31,7 +32,6 @@ from rayvllm.executor.placement import (
     rank_actor_options,
     remove_worker_placement_group,
 )
-from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 class _PendingStep:

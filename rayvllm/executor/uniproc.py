@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.executor.base import Executor
 from rayvllm.worker.model_runner import ModelRunner
-from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 class UniProcExecutor(Executor):

@@ -26,6 +26,7 @@ from rayvllm.distributed.parallel_state import (
     recv_from_prev_stage,
     send_to_next_stage,
 )
+from rayvllm.engine_types import LogprobsLists, ModelRunnerOutput
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge
@@ -36,7 +37,6 @@ from rayvllm.sampling_params import SamplingParams
 from rayvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from rayvllm.worker.gpu_memory import kv_cache_budget, profile_memory
 from rayvllm.worker.input_batch import CachedRequestState, InputBatch
-from rayvllm.worker.outputs import LogprobsLists, ModelRunnerOutput
 from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.worker.sampler import Sampler
 from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata

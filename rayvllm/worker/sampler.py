@@ -30,7 +30,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from rayvllm.worker.outputs import LogprobsTensors
+from rayvllm.engine_types import LogprobsTensors
 from rayvllm.worker.sampling_metadata import SamplingMetadata
 
 SamplingMethod = Literal["auto", "inverse_cdf", "exponential_race"]

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.parallel_state import ParallelContext
+from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.worker.model_runner import ModelRunner
-from rayvllm.worker.outputs import ModelRunnerOutput
 
 
 def free_port() -> int:

@@ -11,43 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from rayvllm.config import CacheConfig, SchedulerConfig
 from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.core.kv_cache_manager import KVCacheManager
-from rayvllm.core.kv_cache_utils import PrefixCacheStats
 from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from rayvllm.core.sched.request_queue import create_request_queue
-from rayvllm.engine.core_output import EngineCoreOutput
+from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.request import Request, RequestStatus
-from rayvllm.worker.outputs import ModelRunnerOutput
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_stats: PrefixCacheStats
-    num_preemptions: int
-
-    @classmethod
-    def combine(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":
-        """Totals over data-parallel ranks; KV usage is the mean (the ranks'
-        pools are the same size)."""
-        prefix = PrefixCacheStats()
-        for s in per_rank:
-            prefix.requests += s.prefix_cache_stats.requests
-            prefix.queries += s.prefix_cache_stats.queries
-            prefix.hits += s.prefix_cache_stats.hits
-        return cls(
-            num_running_reqs=sum(s.num_running_reqs for s in per_rank),
-            num_waiting_reqs=sum(s.num_waiting_reqs for s in per_rank),
-            kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
-            prefix_cache_stats=prefix,
-            num_preemptions=sum(s.num_preemptions for s in per_rank),
-        )
 
 
 class Scheduler:

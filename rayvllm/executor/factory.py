@@ -1,0 +1,19 @@
+"""The executor factory, above every executor class (base.py knows none of
+them, so no executor module imports another that imports it back)."""
+
+from __future__ import annotations
+
+from rayvllm.config import EngineConfig
+from rayvllm.executor.base import Executor
+from rayvllm.executor.uniproc import UniProcExecutor
+
+
+def create_executor(config: EngineConfig, dp_rank: int = 0) -> Executor:
+    """The worker group of one data-parallel rank: Ray actors when any
+    parallel size exceeds 1 or the Ray backend is asked for, else in-process.
+    Ray is imported only then: the in-process core never loads it."""
+    if config.parallel_config.use_ray:
+        from rayvllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, dp_rank)
+    return UniProcExecutor(config)
