@@ -84,9 +84,11 @@ def main() -> None:
                 totals[c] += table[c][i] * uses
             totals["plan"] += table[picked][i] * uses
             times = " ".join(f"{table[c][i] * 1e6:>9.1f}" for c in candidates)
-            print(f"{rows:>5} {name:>8} {f'{n} x {k}':>12} {times} {picked:>9} {table['linear'][i] / table[picked][i]:>10.2f}x")
+            gain = table["linear"][i] / table[picked][i]
+            print(f"{rows:>5} {name:>8} {f'{n} x {k}':>12} {times} {picked:>9} {gain:>10.2f}x")
         times = " ".join(f"{totals[c] * 1e6:>9.0f}" for c in candidates)
-        print(f"{rows:>5} {'step':>8} {'':>12} {times} {totals['plan'] * 1e6:>9.0f} {totals['linear'] / totals['plan']:>10.2f}x")
+        gain = totals["linear"] / totals["plan"]
+        print(f"{rows:>5} {'step':>8} {'':>12} {times} {totals['plan'] * 1e6:>9.0f} {gain:>10.2f}x")
 
 
 if __name__ == "__main__":

@@ -103,5 +103,6 @@ def selected_isa(info: CpuInfo | None = None) -> str:
     if forced not in ISAS:
         raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)}")
     if not info.supports(forced):
-        raise ValueError(f"{ISA_ENV}={forced}: this CPU ({info.model}) cannot run it; it runs {', '.join(info.supported_isas)}")
+        runs = ", ".join(info.supported_isas)
+        raise ValueError(f"{ISA_ENV}={forced}: this CPU ({info.model}) cannot run it; it runs {runs}")
     return forced

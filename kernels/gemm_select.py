@@ -157,7 +157,9 @@ def choose(table: dict[str, Sequence[float]], tolerance: float = TOLERANCE) -> G
     raise AssertionError("the full candidate set always fits")
 
 
-def measure(weights: Sequence[torch.Tensor], candidates: Sequence[str], buckets: Sequence[int] = ROW_BUCKETS) -> dict[str, list[float]]:
+def measure(
+    weights: Sequence[torch.Tensor], candidates: Sequence[str], buckets: Sequence[int] = ROW_BUCKETS
+) -> dict[str, list[float]]:
     """Seconds per product at each bucket's row count, for each candidate, on
     a few of `weights` (same shape) in turn, so each call meets a weight
     that the previous call did not leave in cache."""

@@ -97,6 +97,30 @@ def test_validation_errors_raise_before_the_first_output(tiny_model_dir: Path) -
     _run(tiny_model_dir, body)
 
 
+def test_add_request_admits_at_once(tiny_model_dir: Path, offline: list[list[int]]) -> None:
+    """Eager admission: `add_request` validates and admits on the spot (no
+    await, so the engine loop has not run and no token exists yet); errors
+    raise from the call itself; the stream then yields what `generate` would,
+    and a stream closed unread aborts its request."""
+
+    async def body(engine: AsyncLLM) -> tuple[list[int], Any]:
+        with pytest.raises(PromptTooLongError):
+            engine.add_request({"prompt_token_ids": [5] * 300}, GREEDY, "too-long")
+        stream = engine.add_request({"prompt_token_ids": PROMPTS[2]}, GREEDY, "eager")
+        dropped = engine.add_request({"prompt_token_ids": PROMPTS[1]}, GREEDY, "dropped")
+        assert engine.num_pending_requests() == 2  # both admitted before any step ran
+        await dropped.aclose()
+        tokens = [t async for out in stream for t in out.outputs[0].token_ids]
+        await stream.aclose()
+        # One more request steps the engine past the abort of the dropped one.
+        await _collect(engine, PROMPTS[0], "after")
+        return tokens, engine.engine_core.make_stats()
+
+    tokens, stats = _run(tiny_model_dir, body)
+    assert tokens == offline[2]
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
 def test_overload_is_refused(tiny_model_dir: Path) -> None:
     async def body(engine: AsyncLLM) -> list[int]:
         first = engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "a")

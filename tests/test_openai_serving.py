@@ -31,6 +31,7 @@ from rayvllm.entrypoints.openai.protocol import (
     error_body,
 )
 from rayvllm.entrypoints.openai.serving import EventStream, OpenAIServing
+from rayvllm.entrypoints.openai.streams import SSE_DONE
 from rayvllm.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PromptTooLongError
 from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rayvllm.processor import Processor, PromptType
@@ -43,6 +44,36 @@ MODEL = "demo"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 CHOSEN_LOGPROB = -0.1
 UNLIKELY_LOGPROB = -3.0  # odd positions: the chosen token is outside the top-k
+
+
+class FakeStream:
+    """One admitted request's scripted outputs; on close it records the
+    request as finished (its last output was read) or aborted."""
+
+    def __init__(self, engine: "FakeEngine", request_id: str, outputs: AsyncIterator[RequestOutput]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.outputs = outputs
+        self.done = False
+        self.closed = False
+
+    def __aiter__(self) -> "FakeStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            out = await self.outputs.__anext__()
+        except EngineDeadError:
+            self.done = True  # nothing left to abort
+            raise
+        self.done = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            (self.engine.finished if self.done else self.engine.aborted).append(self.request_id)
+            await self.outputs.aclose()
 
 
 class FakeEngine:
@@ -59,28 +90,25 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail_after_steps: int | None = None
         self.step_delay = 0.0
+        # When set, no output is produced until it is (a first token still being computed).
+        self.gate: asyncio.Event | None = None
 
-    def generate(
+    def add_request(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True
-    ) -> AsyncIterator[RequestOutput]:
-        return self._run(prompt, params, request_id, add_special_tokens)
-
-    async def _run(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, add_special_tokens: bool
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> "FakeStream":
+        """Validates at once, as `AsyncLLM.add_request` does."""
         request = self.processor.process(request_id, prompt, params, add_special_tokens=add_special_tokens)
         self.requests.append(request)
-        done = False
-        try:
-            steps = self._script(request, Processor.prompt_text(prompt))
-            for number, output in enumerate(steps):
-                if self.fail_after_steps is not None and number == self.fail_after_steps:
-                    raise EngineDeadError("the engine died")
-                await asyncio.sleep(self.step_delay)
-                yield output
-            done = True
-        finally:
-            (self.finished if done else self.aborted).append(request_id)
+        return FakeStream(self, request_id, self._run(request, Processor.prompt_text(prompt)))
+
+    async def _run(self, request: EngineCoreRequest, prompt_text: str | None) -> AsyncIterator[RequestOutput]:
+        if self.gate is not None:
+            await self.gate.wait()
+        for number, output in enumerate(self._script(request, prompt_text)):
+            if self.fail_after_steps is not None and number == self.fail_after_steps:
+                raise EngineDeadError("the engine died")
+            await asyncio.sleep(self.step_delay)
+            yield output
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
@@ -548,6 +576,27 @@ def test_closing_a_stream_early_aborts_the_engine_requests(
     assert first.startswith("data: {")
     expected = ["r"] if isinstance(prompt, str) else ["r-0", "r-1"]
     assert sorted(engine.aborted) == expected and engine.finished == []
+
+
+def test_a_streaming_response_starts_before_the_first_token(serving: OpenAIServing, engine: FakeEngine) -> None:
+    """Eager admission: `create_completion` returns the event stream (the
+    HTTP layer sends 200 and the headers) while the engine has produced no
+    output yet; the request is already admitted, and invalid input still
+    raises before any stream exists."""
+
+    async def run() -> list[str]:
+        engine.gate = asyncio.Event()
+        stream = await serving.create_completion(completion_req(prompt="hi", max_tokens=2, stream=True), "r")
+        assert isinstance(stream, EventStream)
+        assert [r.request_id for r in engine.requests] == ["r"]
+        with pytest.raises(InvalidParameterError, match="temperature"):
+            await serving.create_completion(completion_req(prompt="hi", temperature=-1.0, stream=True), "bad")
+        engine.gate.set()
+        return [event async for event in stream]
+
+    events = asyncio.run(run())
+    assert events[-1] == SSE_DONE and len(parse_events(events)) >= 2
+    assert engine.finished == ["r"] and engine.aborted == []
 
 
 def test_a_stream_never_iterated_still_aborts_on_close(serving: OpenAIServing, engine: FakeEngine) -> None:

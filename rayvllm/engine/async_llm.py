@@ -46,6 +46,41 @@ STEP_STALL_S = 60.0
 STATS_INTERVAL_S = 1.0
 
 
+class RequestStream:
+    """The outputs of one admitted request, in order, until it finishes.
+
+    Invariant: after `aclose()` (idempotent) the engine holds nothing of the
+    request: a stream closed before its last output aborts the request. An
+    engine failure is raised from `__anext__` to every open stream."""
+
+    def __init__(
+        self, engine: "AsyncLLM", request_id: str, queue: "asyncio.Queue[RequestOutput | BaseException]"
+    ) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._finished = True  # the engine is gone; nothing left to abort
+            raise item
+        self._finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine._release(self.request_id, self._finished)
+
+
 class AsyncLLM:
     """Serving front of the engine. `max_pending_requests` bounds user
     requests admitted but unfinished (None: no bound); beyond it `generate`
@@ -85,7 +120,7 @@ class AsyncLLM:
 
     # ---- requests -----------------------------------------------------------------
 
-    async def generate(
+    def add_request(
         self,
         prompt: PromptType,
         params: SamplingParams,
@@ -94,14 +129,13 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs (DELTA by default; FINAL_ONLY yields
-        the finished output alone) until it finishes.
-
-        Invalid input raises before the first yield. Leaving the generator
-        early (`aclose`, cancellation, a dropped client) aborts the request,
-        which frees its KV blocks at the next step.
-        """
+    ) -> RequestStream:
+        """Validate and admit the request now, on the event loop, and return
+        its stream: invalid input, overload or a dead engine raise here,
+        before any token is computed, so a server can answer with an error
+        status, or send a streaming response's headers at once. The caller
+        owns the stream and must `aclose()` it (closing before the end
+        aborts the request)."""
         self._ensure_running()
         if request_id in self._queues:
             raise InvalidParameterError("request_id", f"request {request_id!r} is already running")
@@ -116,21 +150,45 @@ class AsyncLLM:
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        finished = False
         try:
             self._intake.add_requests(core_reqs)
-            self._wake()
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine is gone; nothing left to abort
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
+        except BaseException:
             self._queues.pop(request_id, None)
-            if not finished:
-                self._abort_now(request_id)
+            self.output_processor.abort_requests(self.output_processor.child_request_ids([request_id]))
+            raise
+        self._wake()
+        return RequestStream(self, request_id, queue)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        add_special_tokens: bool = True,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs (DELTA by default; FINAL_ONLY yields
+        the finished output alone) until it finishes: `add_request`, then
+        its stream. Leaving the generator early (`aclose`, cancellation, a
+        dropped client) aborts the request, which frees its KV blocks at
+        the next step."""
+        stream = self.add_request(
+            prompt, params, request_id, add_special_tokens=add_special_tokens, priority=priority,
+            output_kind=output_kind,
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        """A stream's end: forget its queue, and abort it unless it finished."""
+        self._queues.pop(request_id, None)
+        if not finished:
+            self._abort_now(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its stream ends with finish_reason "abort"."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Protocol, cast
@@ -50,7 +50,7 @@ from rayvllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, sse, sse_error
+from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, OutputStream, sse, sse_error
 from rayvllm.errors import InvalidParameterError, ModelNotFoundError
 from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rayvllm.processor import Processor, PromptType, TokensPrompt
@@ -67,23 +67,24 @@ logger = logging.getLogger(__name__)
 class EngineClient(Protocol):
     """What `OpenAIServing` needs from an engine (async engine or Serve handle shim).
 
-    `generate` yields DELTA outputs: each carries, for the sequences touched
-    in that step, only what is new; `finished` is True on the last one.
-    Invalid input raises a `RayvllmError` at the first `__anext__`; closing
-    the iterator before it is exhausted aborts the request.
+    `add_request` admits a request at once (invalid input, overload or a
+    dead engine raise a `RayvllmError` there, before any token) and returns
+    its stream of DELTA outputs: each carries, for the sequences touched in
+    that step, only what is new; `finished` is True on the last one. Closing
+    the stream before it is exhausted aborts the request.
     """
 
     processor: Processor
     tokenizer: "PreTrainedTokenizerBase"
 
-    def generate(
+    def add_request(
         self,
         prompt: PromptType,
         params: SamplingParams,
         request_id: str,
         *,
         add_special_tokens: bool = True,
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> OutputStream: ...
 
 
 # ---- bookkeeping -------------------------------------------------------------------
@@ -262,19 +263,17 @@ class OpenAIServing:
         request_id: str,
     ) -> EngineStreams:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        created: list[AsyncIterator[RequestOutput]] = []
+        created: list[OutputStream] = []
         try:
-            for prompt, engine_id in zip(prompts, ids):
-                created.append(
-                    self.engine.generate(prompt, params, engine_id, add_special_tokens=req.add_special_tokens)
-                )
+            with _named_for(req):
+                for prompt, engine_id in zip(prompts, ids):
+                    created.append(
+                        self.engine.add_request(prompt, params, engine_id, add_special_tokens=req.add_special_tokens)
+                    )
         except BaseException:
             await EngineStreams(created).aclose()
             raise
-        streams = EngineStreams(created)
-        with _named_for(req):
-            await streams.start()
-        return streams
+        return EngineStreams(created)
 
     # ---- /v1/completions ----------------------------------------------------------
 

@@ -12,14 +12,14 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from rayvllm.entrypoints.openai.protocol import error_body
 from rayvllm.outputs import RequestOutput
 
-__all__ = ["SSE_DONE", "EngineStreams", "EventStream", "sse", "sse_error"]
+__all__ = ["SSE_DONE", "EngineStreams", "EventStream", "OutputStream", "sse", "sse_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,21 +38,22 @@ def sse_error(exc: BaseException) -> str:
     return f"data: {json.dumps(error_body(exc)[1])}\n\n"
 
 
-async def _aclose(stream: AsyncIterator[RequestOutput]) -> None:
-    close = getattr(stream, "aclose", None)
-    if close is None:
-        return
+class OutputStream(Protocol):
+    """An admitted request's outputs (`AsyncLLM.add_request`); closing it
+    before its last output aborts the request."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def _aclose(stream: OutputStream) -> None:
     try:
-        await close()
+        await stream.aclose()
     except Exception:  # one failing close must not keep the others open
         logger.exception("closing an engine stream failed")
-
-
-async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
@@ -62,54 +63,30 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
 
 
 class EngineStreams:
-    """The engine streams of one API request, one per prompt.
+    """The engine streams of one API request, one per prompt, each admitted
+    already (errors in the input were raised then, before any token).
 
-    Invariant: once `start` has been awaited (returned or raised), every
-    stream gets closed: when `start` raises, when `outputs()` ends however
-    it ends, or on `aclose()`. Closing is idempotent.
+    Invariant: every stream gets closed: when `outputs()` ends however it
+    ends, or on `aclose()`. Closing is idempotent.
     """
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+    def __init__(self, streams: list[OutputStream]) -> None:
         self._streams = streams
-        self._firsts: list[RequestOutput | None] = []
-
-    async def start(self) -> None:
-        """Pull every stream's first output, concurrently. The engine validates
-        a request at its first output, so client errors surface here, while
-        the caller can still answer with a 4xx status."""
-        if len(self._streams) == 1:
-            try:
-                self._firsts = [await _first(self._streams[0])]
-            except BaseException:
-                await self.aclose()
-                raise
-            return
-        tasks = [asyncio.ensure_future(_first(s)) for s in self._streams]
-        try:
-            self._firsts = list(await asyncio.gather(*tasks))
-        except BaseException:
-            # gather leaves the siblings of a failed task running.
-            await _cancel_all(tasks)
-            await self.aclose()
-            raise
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Every output as (prompt index, output): the first outputs, then the
-        rest in arrival order across prompts. Closes all streams at the end."""
+        """Every output as (prompt index, output), in arrival order across
+        prompts. Closes all streams at the end."""
+        merged = self._merged(list(range(len(self._streams)))) if len(self._streams) > 1 else None
         try:
-            live: list[int] = []
-            for index, first in enumerate(self._firsts):
-                if first is not None:
-                    live.append(index)
-                    yield index, first
-            if len(self._streams) == 1:
-                if live:  # the common single-prompt case needs no task hop
-                    async for out in self._streams[0]:
-                        yield 0, out
+            if merged is None:  # the common single-prompt case needs no task hop
+                async for out in self._streams[0]:
+                    yield 0, out
             else:
-                async for item in self._merged(live):
+                async for item in merged:
                     yield item
         finally:
+            if merged is not None:
+                await merged.aclose()  # stops its pumps before their streams close
             await self.aclose()
 
     async def _merged(self, indices: list[int]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
@@ -147,8 +124,8 @@ class EventStream(AsyncIterator[str]):
     """Server-sent events of one streaming response, ending with `data: [DONE]`.
 
     The HTTP layer must `aclose()` it when it stops early, even if it never
-    started iterating: the engine streams' first outputs were already
-    pulled, and closing them is what aborts the request.
+    started iterating: its requests were admitted already, and closing the
+    engine streams is what aborts them.
     """
 
     def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]) -> None:
