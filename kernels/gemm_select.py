@@ -170,12 +170,20 @@ def measure(
     generator = torch.Generator().manual_seed(0)
     table: dict[str, list[float]] = {}
     for candidate in candidates:
-        layouts = [make_layout(candidate, w) for w in sample]
-        fn = gemm_fn(candidate, out_features)
-        times = []
-        for rows in buckets:
-            x = torch.randn(rows, in_features, generator=generator)
-            times.append(_time_passes(fn, x, layouts))
+        try:
+            layouts = [make_layout(candidate, w) for w in sample]
+            fn = gemm_fn(candidate, out_features)
+            times = []
+            for rows in buckets:
+                x = torch.randn(rows, in_features, generator=generator)
+                times.append(_time_passes(fn, x, layouts))
+        except (RuntimeError, NotImplementedError) as e:
+            # A library path this torch build or CPU lacks (oneDNN's reorder
+            # on some Arm builds, say) is no candidate; torch's own always is.
+            if candidate == "linear":
+                raise
+            logger.warning("GEMM candidate %s failed on %dx%d, not used: %s", candidate, out_features, in_features, e)
+            continue
         table[candidate] = times
         del layouts
     return table

@@ -199,3 +199,18 @@ def test_empty_huge_is_aligned_and_usable() -> None:
     assert float(big.sum()) == 2.0 * 3 * (1 << 20)
     small = empty_huge((4, 5), torch.int64)
     assert small.shape == (4, 5) and small.dtype == torch.int64
+
+
+def test_a_failing_candidate_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library path that raises on this build is left out of the table;
+    torch's own `linear` always stays."""
+    real = gemm_select.make_layout
+
+    def broken_mkldnn(candidate: str, weight: torch.Tensor) -> torch.Tensor:
+        if candidate == "mkldnn":
+            raise RuntimeError("no oneDNN reorder on this build")
+        return real(candidate, weight)
+
+    monkeypatch.setattr(gemm_select, "make_layout", broken_mkldnn)
+    table = gemm_select.measure([torch.randn(16, 8)], ["linear", "mm_t", "mkldnn"], buckets=(1, 2))
+    assert sorted(table) == ["linear", "mm_t"] and all(len(v) == 2 for v in table.values())
