@@ -38,9 +38,10 @@ class SchedulerActor:
         self.intake = RequestIntake()
         self.intake_channel: ChannelServer | None = None
 
-    def start(self, config: EngineConfig) -> int:
-        """Start every worker group; returns the KV blocks per DP rank."""
-        self.core = EngineCore(config)
+    def start(self, config: EngineConfig, reserved_pg: object = None) -> int:
+        """Start every worker group (in `reserved_pg` when Serve reserved
+        one with the replica); returns the KV blocks per DP rank."""
+        self.core = EngineCore(config, reserved_pg=reserved_pg)
         return config.cache_config.num_blocks
 
     def open_channels(self) -> list[tuple[tuple[str, int], bytes]]:

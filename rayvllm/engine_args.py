@@ -99,6 +99,20 @@ class EngineArgs(BaseModel):
             return self.attention_backend
         return os.environ.get(ATTENTION_BACKEND_ENV, "auto")
 
+    def create_parallel_config(self) -> ParallelConfig:
+        """The worker layout alone (no model files read): what Serve needs to
+        reserve a replica's placement group."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            placement_group_strategy=self.placement_group_strategy,
+            num_cpus_per_worker=self.num_cpus_per_worker,
+            placement_group_timeout_s=self.placement_group_timeout_s,
+            distributed_timeout_s=self.distributed_timeout_s,
+        )
+
     def create_engine_config(self) -> EngineConfig:
         device = self.resolve_device()
         model = self.model
@@ -112,16 +126,7 @@ class EngineArgs(BaseModel):
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             max_batched = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-            placement_group_strategy=self.placement_group_strategy,
-            num_cpus_per_worker=self.num_cpus_per_worker,
-            placement_group_timeout_s=self.placement_group_timeout_s,
-            distributed_timeout_s=self.distributed_timeout_s,
-        )
+        parallel_config = self.create_parallel_config()
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from rayvllm.config import EngineConfig
 from rayvllm.engine.intake import RequestIntake
@@ -86,7 +86,9 @@ class AsyncLLM:
     requests admitted but unfinished (None: no bound); beyond it `generate`
     raises `EngineOverloadedError` (HTTP 503)."""
 
-    def __init__(self, config: EngineConfig, max_pending_requests: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, max_pending_requests: int | None = None, reserved_pg: Any = None
+    ) -> None:
         self.config = config
         self.model_config = config.model_config
         self.served_model_name = config.model_config.served_model_name or config.model_config.model
@@ -95,7 +97,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
         self.max_pending_requests = max_pending_requests
-        self.engine_core: EngineCore | RayEngineCoreClient = make_engine_core(config)
+        self.engine_core: EngineCore | RayEngineCoreClient = make_engine_core(config, reserved_pg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         # Where adds and aborts go (see the module docstring).
@@ -111,8 +113,10 @@ class AsyncLLM:
         self._closed = False
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, max_pending_requests: int | None = None) -> "AsyncLLM":
-        return cls(args.create_engine_config(), max_pending_requests=max_pending_requests)
+    def from_engine_args(
+        cls, args: EngineArgs, max_pending_requests: int | None = None, reserved_pg: Any = None
+    ) -> "AsyncLLM":
+        return cls(args.create_engine_config(), max_pending_requests=max_pending_requests, reserved_pg=reserved_pg)
 
     @property
     def max_model_len(self) -> int:

@@ -50,11 +50,15 @@ class EngineCore:
     # Not thread-safe: adds and aborts must come from the thread that steps.
     thread_safe_intake = False
 
-    def __init__(self, config: EngineConfig, executors: list[Executor] | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, executors: list[Executor] | None = None, reserved_pg: object = None
+    ) -> None:
+        """`reserved_pg`: a placement group Serve reserved for the worker
+        groups (opaque here; the Ray executors use it)."""
         self.config = config
         pc = config.parallel_config
         dp = pc.data_parallel_size
-        self.executors = executors or [create_executor(config, rank) for rank in range(dp)]
+        self.executors = executors or [create_executor(config, rank, reserved_pg) for rank in range(dp)]
         try:
             num_blocks = min(executor.initialize() for executor in self.executors)
         except BaseException:

@@ -21,13 +21,14 @@ if TYPE_CHECKING:
     from rayvllm.engine.ray_core_client import RayEngineCoreClient
 
 
-def make_engine_core(config: EngineConfig) -> "EngineCore | RayEngineCoreClient":
+def make_engine_core(config: EngineConfig, reserved_pg: Any = None) -> "EngineCore | RayEngineCoreClient":
     """In-process core by default; the SchedulerActor on Ray when any
-    parallel size exceeds 1 or `distributed_executor_backend="ray"`."""
+    parallel size exceeds 1 or `distributed_executor_backend="ray"`
+    (`reserved_pg`: the Serve replica's placement group, for that case)."""
     if config.parallel_config.use_ray:
         from rayvllm.engine.ray_core_client import RayEngineCoreClient
 
-        return RayEngineCoreClient(config)
+        return RayEngineCoreClient(config, reserved_pg)
     return EngineCore(config)
 
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
@@ -60,15 +60,23 @@ class RayEngineCoreClient:
     # also while another runs `step` (AsyncLLM calls them from its loop).
     thread_safe_intake = True
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, reserved_pg: Any = None) -> None:
+        """`reserved_pg`: the Serve replica's placement group (laid out by
+        `deployment_bundles`): the actor goes in the replica's bundle, the
+        workers in theirs, and Serve removes it all with the replica.
+        Without it the actor runs beside the caller and each worker group
+        makes its own placement group."""
         ensure_ray_initialized(config.parallel_config)
-        node = ray.get_runtime_context().get_node_id()
+        if reserved_pg is not None:
+            strategy: Any = PlacementGroupSchedulingStrategy(reserved_pg, placement_group_bundle_index=0)
+        else:
+            strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.actor: Any = SchedulerActor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+            scheduling_strategy=strategy,
             runtime_env=HOT_PATH_RUNTIME_ENV,
         ).remote()
         try:
-            config.cache_config.num_blocks = ray.get(self.actor.start.remote(config))
+            config.cache_config.num_blocks = ray.get(self.actor.start.remote(config, reserved_pg))
             step_end, intake_end = ray.get(self.actor.open_channels.remote())
             self.channel = ChannelClient(*step_end)
             self.intake_channel = ChannelClient(*intake_end)

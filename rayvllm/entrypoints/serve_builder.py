@@ -19,6 +19,7 @@ from ray.serve.schema import LoggingConfig
 
 from rayvllm.engine_args import EngineArgs
 from rayvllm.errors import InvalidParameterError
+from rayvllm.executor.placement import deployment_bundles
 
 # `serve run <import path>` names its application "default"; the config file does too.
 DEFAULT_APP_NAME = "default"
@@ -77,14 +78,26 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if engine.model is None:
         given["model"] = str(demo_model_path())
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
-    deployment = LLMServer
+    options = replica_placement(engine)
     if server.disable_access_log:
-        deployment = LLMServer.options(logging_config=LoggingConfig(enable_access_log=False))  # type: ignore[attr-defined]
-    return deployment.bind(  # type: ignore[attr-defined]
+        options["logging_config"] = LoggingConfig(enable_access_log=False)
+    return LLMServer.options(**options).bind(  # type: ignore[attr-defined]
         given,
         api_key=server.api_key,
         max_pending_requests=server.max_pending_requests,
     )
+
+
+def replica_placement(engine: EngineArgs) -> dict[str, Any]:
+    """Serve deployment options that reserve each replica's worker bundles
+    (TP x PP ranks per DP rank) with the replica, as Ray Serve LLM does:
+    Serve places the replica and its workers together, and removes the group
+    with the replica, so a replaced or scaled-down replica leaks nothing."""
+    pc = engine.create_parallel_config()
+    return {
+        "placement_group_bundles": deployment_bundles(pc, engine.resolve_device()),
+        "placement_group_strategy": pc.placement_group_strategy,
+    }
 
 
 class _ObjectRefMethod:

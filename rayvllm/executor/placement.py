@@ -67,6 +67,50 @@ def worker_bundles(parallel_config: ParallelConfig, device: str) -> list[Bundle]
     return [dict(bundle) for _ in range(parallel_config.world_size)]
 
 
+# The Serve replica's own bundle, first in its placement group: the replica
+# asks for no CPU (its work is the event loop), but a bundle must hold some.
+REPLICA_BUNDLE: Bundle = {"CPU": 0.01}
+
+
+def deployment_bundles(parallel_config: ParallelConfig, device: str) -> list[Bundle]:
+    """Serve's `placement_group_bundles` for one replica: the replica's own
+    bundle, then one worker group per data-parallel rank (DP rank d has
+    bundles 1 + d * world_size ..). Serve reserves them with the replica and
+    removes them with it, so a replaced or scaled-down replica leaves no group
+    behind, and the scheduler actor and workers are placed in them
+    (`reserved_worker_placements`)."""
+    groups = worker_bundles(parallel_config, device) * parallel_config.data_parallel_size
+    return [dict(REPLICA_BUNDLE)] + groups
+
+
+def reserved_worker_placements(
+    pg: PlacementGroup, parallel_config: ParallelConfig, dp_rank: int
+) -> list[RankPlacement]:
+    """DP rank `dp_rank`'s ranks in a group laid out by `deployment_bundles`
+    (reserved by Serve with the replica, not owned by the engine)."""
+    world = parallel_config.world_size
+    total = 1 + world * parallel_config.data_parallel_size
+    if pg.bundle_count != total:
+        raise PlacementError(
+            f"the replica's placement group has {pg.bundle_count} bundles; tensor x pipeline x data "
+            f"parallel sizes need {total} (deployment_bundles)"
+        )
+    ready, _ = ray.wait([pg.ready()], timeout=parallel_config.placement_group_timeout_s)
+    if not ready:
+        timeout = parallel_config.placement_group_timeout_s
+        raise PlacementError(f"the replica's placement group was not ready in {timeout:g}s")
+    first = 1 + dp_rank * world
+    nodes = _bundle_nodes(pg, total)[first : first + world]
+    placements = assign_ranks(
+        bundle_nodes=nodes,
+        node_ips=_node_ips(),
+        driver_node_id=ray.get_runtime_context().get_node_id(),
+        tp_size=parallel_config.tensor_parallel_size,
+        pp_size=parallel_config.pipeline_parallel_size,
+    )
+    return [RankPlacement(p.rank, first + p.bundle_index, p.node_id, p.node_ip) for p in placements]
+
+
 def create_worker_placement_group(
     parallel_config: ParallelConfig, device: str, name: str
 ) -> tuple[PlacementGroup, list[RankPlacement]]:
@@ -122,7 +166,7 @@ def rank_actor_options(
     The actor asks for exactly its bundle's resources (a bigger ask could
     never be scheduled there; a smaller one would leave the reservation idle
     yet unusable by others) and child tasks stay in the group."""
-    bundle = worker_bundles(parallel_config, device)[placement.bundle_index]
+    bundle = worker_bundles(parallel_config, device)[0]  # every rank's bundle is the same
     return {
         "num_cpus": bundle.get("CPU", 0.0),
         "num_gpus": bundle.get("GPU", 0.0),

@@ -29,6 +29,7 @@ from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.placement import (
     RankPlacement,
     create_worker_placement_group,
+    reserved_worker_placements,
     rank_actor_options,
     remove_worker_placement_group,
 )
@@ -55,9 +56,13 @@ class _PendingStep:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int = 0, reserved_pg: Any = None) -> None:
+        """`reserved_pg`: a placement group laid out by `deployment_bundles`
+        that Serve reserved with the replica (used, never removed here);
+        without one the executor creates and removes its own."""
         super().__init__(config)
         self.dp_rank = dp_rank
+        self.reserved_pg = reserved_pg
         pc = config.parallel_config
         self.world_size = pc.world_size
         # TP rank 0 of the last stage samples (see ParallelContext.is_driver).
@@ -79,11 +84,16 @@ class RayExecutor(Executor):
 
     def start_workers(self) -> None:
         pc = self.config.parallel_config
-        name = f"rayvllm-dp{self.dp_rank}-{uuid.uuid4().hex[:8]}"
-        self.pg, self.placements = create_worker_placement_group(pc, self.config.device, name)
+        if self.reserved_pg is not None:
+            group = self.reserved_pg
+            self.placements = reserved_worker_placements(group, pc, self.dp_rank)
+        else:
+            name = f"rayvllm-dp{self.dp_rank}-{uuid.uuid4().hex[:8]}"
+            self.pg, self.placements = create_worker_placement_group(pc, self.config.device, name)
+            group = self.pg
         per_node = Counter(p.node_id for p in self.placements)
         self.workers = [
-            WorkerActor.options(**rank_actor_options(pc, self.config.device, self.pg, p)).remote(
+            WorkerActor.options(**rank_actor_options(pc, self.config.device, group, p)).remote(
                 self.config, p.rank, per_node[p.node_id] * pc.data_parallel_size
             )
             for p in self.placements
@@ -167,7 +177,7 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         """Close the channels, destroy the process groups, then the actors
-        and the placement group."""
+        and the placement group if this executor made it."""
         for channel in self.channels:
             channel.close()
         self.channels = []

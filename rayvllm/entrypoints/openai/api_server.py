@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+import ray
 from ray import serve
 
 from rayvllm.engine.async_llm import AsyncLLM
@@ -102,7 +103,10 @@ class LLMServer:
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
             args.distributed_executor_backend = "ray"
-        self.engine = AsyncLLM.from_engine_args(args, max_pending_requests=max_pending_requests)
+        # Serve reserved the workers' bundles with this replica (build_app).
+        self.engine = AsyncLLM.from_engine_args(
+            args, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group()
+        )
         self.serving = OpenAIServing(self.engine, [self.engine.served_model_name], self.engine.max_model_len)
         self.api_key = api_key
 

@@ -1,0 +1,89 @@
+"""Serve owns the engine's resources (issue 15): each LLMServer replica's
+worker bundles are reserved with it (`placement_group_bundles`), its
+SchedulerActor and WorkerActors run inside them, and a killed replica's
+group, actors and all, is removed when Serve replaces it; deleting the app
+leaves no placement group and no engine actor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+from ray.util.placement_group import placement_group_table  # noqa: E402
+
+from rayvllm.entrypoints.openai.api_server import LLMServer  # noqa: E402
+from rayvllm.entrypoints.serve_builder import replica_placement, split_args  # noqa: E402
+
+APP = "placement-test"
+ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 4}
+DEADLINE_S = 240.0
+
+
+@pytest.fixture()
+def cluster() -> Iterator[None]:
+    # Logical CPUs: two replicas each reserve 0.01 + one worker CPU.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _live_groups() -> dict[str, int]:
+    """Placement groups not removed: id -> bundle count."""
+    table = placement_group_table()
+    return {pg_id: len(info["bundles"]) for pg_id, info in table.items() if info["state"] != "REMOVED"}
+
+
+def _alive(names: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] in names]
+
+
+def _wait_for(what: str, condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)  # polling the cluster's state, which changes on its own
+
+
+def _complete(handle: Any) -> list[int]:
+    out = handle.generate.remote("Hello", {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}).result()
+    return list(out.outputs[0].token_ids)
+
+
+def test_two_replicas_own_their_groups_and_a_killed_one_leaks_nothing(cluster: None, tiny_model_dir: Path) -> None:
+    engine, _ = split_args({"model": str(tiny_model_dir), **ENGINE_ARGS})
+    app = LLMServer.options(num_replicas=2, **replica_placement(engine)).bind(  # type: ignore[attr-defined]
+        engine.model_dump(exclude_unset=True)
+    )
+    handle = serve.run(app, name=APP, route_prefix=None)
+    expected = _complete(handle)
+    assert len(expected) == 3
+
+    engine_actors = ("SchedulerActor", "WorkerActor")
+    groups = _live_groups()
+    # One group per replica: the replica's bundle plus one worker bundle.
+    assert sorted(groups.values()) == [2, 2]
+    assert Counter(a["ActorClassName"] for a in _alive(engine_actors)) == {"SchedulerActor": 2, "WorkerActor": 2}
+
+    victim = next(a for a in _alive(("ServeReplica:" + APP + ":LLMServer",)))
+    os.kill(victim["Pid"], signal.SIGKILL)
+    _wait_for("the killed replica's group to go", lambda: len(set(_live_groups()) & set(groups)) == 1)
+    _wait_for("Serve to replace the replica", lambda: len(_live_groups()) == 2 and len(_alive(engine_actors)) == 4)
+    # The replacement serves the same tokens.
+    _wait_for("a healthy app", lambda: serve.status().applications[APP].status == "RUNNING")
+    assert _complete(handle) == expected
+
+    serve.delete(APP)
+    _wait_for("every group to be removed", lambda: not _live_groups())
+    _wait_for("every engine actor to end", lambda: not _alive(engine_actors))
