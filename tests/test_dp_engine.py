@@ -6,13 +6,21 @@ so the routing logic is tested without Ray; the Ray path runs the same
 from __future__ import annotations
 
 import random
+import select
+import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from rayvllm.config import EngineConfig
 from rayvllm.core.kv_cache_utils import hash_request_tokens
+from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine_args import EngineArgs
+from rayvllm.engine_types import ModelRunnerOutput
+from rayvllm.executor.base import Executor
 from rayvllm.executor.uniproc import UniProcExecutor
 from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SamplingParams
@@ -104,3 +112,85 @@ def test_n_children_share_one_rank(core: EngineCore) -> None:
     assert {core.request_rank[c.request_id] for c in children} == {1}
     _run_to_completion(core)
     assert core.request_rank == {}
+
+
+class _GatedStep:
+    """A step on a fake worker group that finishes only once its gate (one
+    end of a socket pair) has been written: `done()` and `result()` read its
+    readiness the way the Ray executor reads its channels'."""
+
+    def __init__(self, so: SchedulerOutput, gate: socket.socket) -> None:
+        self.so = so
+        self.gate = gate
+
+    def done(self) -> bool:
+        return bool(select.select([self.gate], [], [], 0)[0])
+
+    def wait_handles(self) -> list[object]:
+        return [self.gate]
+
+    def result(self) -> ModelRunnerOutput:
+        select.select([self.gate], [], [])
+        ids = list(self.so.num_scheduled_tokens)
+        return ModelRunnerOutput(ids, [7] * len(ids), None, {})
+
+
+class _GatedExecutor(Executor):
+    """Every scheduled request samples token 7 (prompts fit one step); steps
+    finish once `open()` is called (at once when built open)."""
+
+    def __init__(self, config: EngineConfig, is_open: bool) -> None:
+        super().__init__(config)
+        self.gate, self._opener = socket.socketpair()
+        self.submitted = 0
+        if is_open:
+            self.open()
+
+    def open(self) -> None:
+        self._opener.send(b"x")  # never read: the gate stays open
+
+    def initialize(self) -> int:
+        return 128  # blocks of 4 tokens: more than one max_model_len=256 sequence needs
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> _GatedStep:
+        self.submitted += 1
+        return _GatedStep(scheduler_output, self.gate)
+
+
+def test_a_rank_keeps_stepping_while_another_ranks_step_is_held(tiny_model_dir: Path) -> None:
+    """DP ranks never wait on each other: with one rank's step held (a long
+    prefill, say), the other rank's request runs to its end; the held rank
+    then catches up, and nothing is lost or duplicated."""
+    config = EngineArgs(
+        model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, block_size=4,
+        max_num_batched_tokens=64,
+    ).create_engine_config()
+    held, free = _GatedExecutor(config, is_open=False), _GatedExecutor(config, is_open=True)
+    core = EngineCore(config, executors=[held, free])
+    core.add_request(_request("a", [11, 12, 13], max_tokens=6))
+    core.add_request(_request("b", [21, 22, 23], max_tokens=6))
+    assert core.request_rank == {"a": 0, "b": 1}  # routed by load: one request per rank
+    tokens: dict[str, int] = {"a": 0, "b": 0}
+    finished: set[str] = set()
+
+    def step_until(done: Callable[[], bool]) -> None:
+        while not done():
+            for out in core.step():
+                tokens[out.request_id] += len(out.new_token_ids)
+                if out.finished:
+                    finished.add(out.request_id)
+
+    # Each call returns once rank 1 has a finished step; were the ranks in
+    # lockstep, the first call would block on rank 0 for good.
+    worker = threading.Thread(target=step_until, args=(lambda: "b" in finished,), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "rank 1 waited on rank 0's held step"
+    assert tokens == {"a": 0, "b": 6} and finished == {"b"}
+    assert held.submitted >= 1  # rank 0's first step is on its workers, held
+    held.open()
+    step_until(lambda: "a" in finished)
+    assert tokens == {"a": 6, "b": 6} and not core.has_unfinished_requests()

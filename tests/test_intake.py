@@ -91,6 +91,12 @@ class _Held:
         ids = list(self.so.num_scheduled_tokens)
         return ModelRunnerOutput(ids, [7] * len(ids), None, {})
 
+    def done(self) -> bool:
+        return True  # the fake worker answers as soon as the core asks
+
+    def wait_handles(self) -> list[object]:
+        return []
+
 
 class HeldExecutor(Executor):
     """Every scheduled request samples token 7 (prompts fit one step). Logs

@@ -112,6 +112,18 @@ class ChannelClient:
         """A message made once by `pickle_call` and sent to several servers."""
         self._conn.send_bytes(message)
 
+    @property
+    def connection(self) -> Connection:
+        """For `multiprocessing.connection.wait` over several channels."""
+        return self._conn
+
+    def poll(self) -> bool:
+        """A reply (or the end of the connection) is ready to `recv`."""
+        try:
+            return self._conn.poll()
+        except (EOFError, OSError):
+            return True  # `recv` raises the error
+
     def recv(self) -> Any:
         """The reply to the oldest unanswered call; re-raises its exception."""
         ok, value = self._conn.recv()

@@ -15,6 +15,10 @@ time instead: it waits for step k, takes the intake, and only then schedules
 k+1, leaving the workers idle for the scheduling alone. A saturated engine
 (requests waiting, or a full batch) keeps the queued step: a new arrival
 would wait anyway.
+
+Data-parallel ranks never wait on each other: each call takes back the
+steps that have finished, on whichever ranks, and schedules those ranks'
+next steps; it waits only while no rank has a finished step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.dp_router import DPRouter, RankLoad
@@ -133,8 +138,9 @@ class EngineCore:
         return bool(self.request_rank)
 
     def step(self, intake: RequestIntake | None = None) -> list[EngineCoreOutput]:
-        """Take back each rank's oldest step and return its outputs, with
-        every rank's next step already on its workers. `intake` holds
+        """Take back the finished oldest step of each rank (at least one,
+        waiting if none is) and return their outputs, with every rank's next
+        step already on its workers. `intake` holds
         requests that arrived since the last call (see the module docstring
         for when it is taken before and when after the running step ends)."""
         if intake is not None and self._can_wait_for_intake and self._has_room():
@@ -147,7 +153,7 @@ class EngineCore:
             if intake is not None:
                 intake.drain_into(self)
             self._schedule(self.max_inflight)
-            finished = self._take_oldest()
+            finished = self._take_finished()
         outputs: list[EngineCoreOutput] = []
         for rank, step, result in finished:
             outputs += self.schedulers[rank].update_from_output(step.scheduler_output, result)
@@ -158,7 +164,7 @@ class EngineCore:
 
     def _just_in_time(self, intake: RequestIntake) -> list[tuple[int, _InflightStep, ModelRunnerOutput]]:
         """Wait for the running steps, then take the intake and schedule."""
-        finished = self._take_oldest()
+        finished = self._take_finished()
         intake.drain_into(self)
         self._schedule(1)
         return finished
@@ -180,13 +186,20 @@ class EngineCore:
                 if so.is_empty:
                     break
 
-    def _take_oldest(self) -> list[tuple[int, _InflightStep, ModelRunnerOutput]]:
-        """Wait for each rank's oldest step in flight."""
+    def _take_finished(self) -> list[tuple[int, _InflightStep, ModelRunnerOutput]]:
+        """Take back each rank's oldest step that has finished, waiting only
+        until at least one has: a rank whose step runs long (a big prefill)
+        never holds up another rank's tokens. With one rank busy this is a
+        plain wait for its step."""
+        busy = [rank for rank, queue in enumerate(self.inflight) if queue]
+        if len(busy) > 1:
+            while not any(self.inflight[rank][0].pending.done() for rank in busy):
+                wait([h for rank in busy for h in self.inflight[rank][0].pending.wait_handles()])
+            busy = [rank for rank in busy if self.inflight[rank][0].pending.done()]
         taken = []
-        for rank, queue in enumerate(self.inflight):
-            if queue:
-                step = queue.popleft()
-                taken.append((rank, step, step.pending.result()))
+        for rank in busy:
+            step = self.inflight[rank].popleft()
+            taken.append((rank, step, step.pending.result()))
         return taken
 
     def make_stats(self) -> SchedulerStats:

@@ -4,7 +4,7 @@ implement it, and the engine cannot tell them apart."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
@@ -12,9 +12,16 @@ from rayvllm.engine_types import ModelRunnerOutput
 
 
 class PendingOutput(Protocol):
-    """A step submitted to the workers; `result()` waits for its output."""
+    """A step submitted to the workers; `result()` waits for its output.
+    `done()`: `result()` would not block. `wait_handles()`: objects that
+    `multiprocessing.connection.wait` can wait on until it is done (none when
+    it is done already)."""
 
     def result(self) -> ModelRunnerOutput: ...
+
+    def done(self) -> bool: ...
+
+    def wait_handles(self) -> list[Any]: ...
 
 
 class _Done:
@@ -23,6 +30,12 @@ class _Done:
 
     def result(self) -> ModelRunnerOutput:
         return self.output
+
+    def done(self) -> bool:
+        return True
+
+    def wait_handles(self) -> list[Any]:
+        return []
 
 
 class Executor(ABC):

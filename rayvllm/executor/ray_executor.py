@@ -54,6 +54,13 @@ class _PendingStep:
                 ) from e
         return outputs[ex.driver_rank]
 
+    def done(self) -> bool:
+        # Replies come in step order, so a ready channel holds this step's.
+        return all(channel.poll() for channel in self.executor.channels)
+
+    def wait_handles(self) -> list[Any]:
+        return [channel.connection for channel in self.executor.channels]
+
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, dp_rank: int = 0, reserved_pg: Any = None) -> None:
