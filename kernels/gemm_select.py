@@ -222,7 +222,10 @@ def plan_for(weights: Sequence[torch.Tensor], candidates: Sequence[str] | None =
         "GEMM %dx%d (%d weights): %s (timed %s in %.1f s)",
         out_features, in_features, len(weights), plan.describe(), ", ".join(candidates), time.perf_counter() - t0,
     )
-    _write_atomic(path, json.dumps({"key": key, "plan": asdict(plan), "table": table}))
+    try:
+        _write_atomic(path, json.dumps({"key": key, "plan": asdict(plan), "table": table}))
+    except OSError as e:  # a read-only cache costs a re-timing next start, nothing else
+        logger.warning("could not cache the GEMM plan in %s: %s", path, e)
     return plan
 
 

@@ -214,3 +214,13 @@ def test_a_failing_candidate_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(gemm_select, "make_layout", broken_mkldnn)
     table = gemm_select.measure([torch.randn(16, 8)], ["linear", "mm_t", "mkldnn"], buckets=(1, 2))
     assert sorted(table) == ["linear", "mm_t"] and all(len(v) == 2 for v in table.values())
+
+
+def test_an_unwritable_plan_cache_is_not_fatal(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A read-only cache directory only means timing again at the next start."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("RAYVLLM_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(gemm_select, "measure", lambda weights, candidates, buckets=ROW_BUCKETS: {
+        c: [1.0] * len(buckets) for c in candidates})
+    assert gemm_select.plan_for([torch.zeros(4, 4)], ["linear"]).layouts == ("linear",)
