@@ -207,3 +207,21 @@ def test_without_an_intake_the_core_fills_first(async_scheduling: bool) -> None:
         assert ex.events == ["submit 0", "submit 1", "result 0", "submit 2", "result 1"]
     else:
         assert ex.events == ["submit 0", "result 0", "submit 1", "result 1"]
+
+
+def test_the_inproc_client_queues_adds_and_aborts_until_its_step() -> None:
+    """The in-process side of the client seam: adds and aborts from the
+    serving loop wait in its intake (the core is untouched) until `step`,
+    on the step thread, hands them over in order."""
+    from rayvllm.engine.core_client import InprocClient
+
+    core, ex = make_core(async_scheduling=False)
+    client = InprocClient(core)
+    client.add_requests([request("a", max_tokens=2)])
+    client.add_requests([request("b", max_tokens=2)])
+    client.abort_requests(["b"])
+    assert client.has_pending_intake() and not core.has_unfinished_requests() and ex.steps == []
+    outputs = client.step()
+    assert not client.has_pending_intake()
+    assert ex.requests_in(0) == ["a"]  # "b" was aborted before it was ever scheduled
+    assert [o.request_id for o in outputs] == ["a"] and outputs[0].new_token_ids == [7]

@@ -7,11 +7,9 @@ Threading invariant: the Processor, the OutputProcessor and the per-request
 queues are touched only on the event loop; the engine core only on one
 dedicated step thread, so a blocking step (a forward, or a channel round
 trip to the SchedulerActor) never stalls the HTTP server. New requests and
-aborts reach the core in arrival order. The Ray client takes them from the
-loop directly and sends them to the SchedulerActor at once, so one that
-arrives during a step can make the next (engine_core.py); for the
-in-process core they wait in a `RequestIntake` that the step thread drains
-between steps.
+aborts reach the core in arrival order: the loop hands them to the engine
+core client (core_client.py) the moment it has them, from the event loop,
+while a step may be running on the step thread.
 """
 
 from __future__ import annotations
@@ -20,11 +18,10 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from rayvllm.config import EngineConfig
-from rayvllm.engine.intake import RequestIntake
-from rayvllm.engine.llm_engine import make_engine_core
+from rayvllm.engine.core_client import EngineCoreClient, make_client
 from rayvllm.engine_args import EngineArgs
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError
@@ -34,10 +31,6 @@ from rayvllm.outputs import RequestOutput, RequestOutputKind
 from rayvllm.processor import Processor, PromptType
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
-
-if TYPE_CHECKING:
-    from rayvllm.engine.engine_core import EngineCore
-    from rayvllm.engine.ray_core_client import RayEngineCoreClient
 
 # A step that has not returned after this long means the engine is wedged
 # (a forward on this box takes milliseconds; a cold prefill seconds).
@@ -97,13 +90,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
         self.max_pending_requests = max_pending_requests
-        self.engine_core: EngineCore | RayEngineCoreClient = make_engine_core(config, reserved_pg)
+        self.engine_core: EngineCoreClient = make_client(config, reserved_pg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        # Where adds and aborts go (see the module docstring).
-        self._intake: RequestIntake | RayEngineCoreClient = (
-            cast("RayEngineCoreClient", self.engine_core) if self.engine_core.thread_safe_intake else RequestIntake()
-        )
         self._started: set[str] = set()  # user requests whose prompt tokens were counted
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -155,7 +144,7 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self._intake.add_requests(core_reqs)
+            self.engine_core.add_requests(core_reqs)
         except BaseException:
             self._queues.pop(request_id, None)
             self.output_processor.abort_requests(self.output_processor.child_request_ids([request_id]))
@@ -208,7 +197,7 @@ class AsyncLLM:
 
     def _abort_in_core(self, ids: list[str]) -> None:
         try:
-            self._intake.abort_requests(ids)
+            self.engine_core.abort_requests(ids)
         except EngineDeadError:
             pass  # a dead core holds nothing to free; the loop reports the death
         self._wake()
@@ -229,7 +218,7 @@ class AsyncLLM:
             self._wakeup.set()
 
     def _has_work(self) -> bool:
-        return self._intake.has_pending_intake() or self.output_processor.has_unfinished_requests()
+        return self.engine_core.has_pending_intake() or self.output_processor.has_unfinished_requests()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -260,8 +249,6 @@ class AsyncLLM:
 
     def _step_core(self, want_stats: bool) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
         core = self.engine_core
-        if isinstance(self._intake, RequestIntake):  # the in-process core's
-            self._intake.drain_into(core)
         outputs = core.step()
         return outputs, core.make_stats() if want_stats else None
 

@@ -52,9 +52,8 @@ class EngineCore:
     the order they were scheduled; a request stays on the DP rank it was
     routed to until it finishes."""
 
-    # Not thread-safe: adds and aborts must come from the thread that steps.
-    thread_safe_intake = False
-
+    # Not thread-safe: adds and aborts must come from the thread that steps
+    # (core_client.InprocClient queues them for it).
     def __init__(
         self, config: EngineConfig, executors: list[Executor] | None = None, reserved_pg: object = None
     ) -> None:

@@ -56,9 +56,8 @@ def ensure_ray_initialized(pc: ParallelConfig) -> None:
 
 
 class RayEngineCoreClient:
-    # `add_requests` and `abort_requests` may be called from any thread,
-    # also while another runs `step` (AsyncLLM calls them from its loop).
-    thread_safe_intake = True
+    """`add_requests` and `abort_requests` may be called from any thread,
+    also while another runs `step` (AsyncLLM calls them from its loop)."""
 
     def __init__(self, config: EngineConfig, reserved_pg: Any = None) -> None:
         """`reserved_pg`: the Serve replica's placement group (laid out by

@@ -1,0 +1,82 @@
+"""The engine loop's one seam to the engine core: `make_client` returns the
+in-process core or the Ray client of the SchedulerActor behind the same
+interface, so `AsyncLLM` holds a client and never asks which one.
+
+Both take adds and aborts from any thread (the serving loop's), in order,
+and hand them to the core before it schedules: the Ray client sends each at
+once on its intake channel; the in-process client keeps them in a
+`RequestIntake` that its `step` drains first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from rayvllm.config import EngineConfig
+from rayvllm.engine.engine_core import EngineCore
+from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine.llm_engine import make_engine_core
+from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
+from rayvllm.request import EngineCoreRequest
+
+
+class EngineCoreClient(Protocol):
+    """What the engine loop calls. `add_requests`, `abort_requests` and
+    `has_pending_intake` may be called from any thread, also during `step`;
+    the rest only from the one thread that steps."""
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
+
+    def abort_requests(self, request_ids: Iterable[str]) -> object: ...
+
+    def has_pending_intake(self) -> bool: ...
+
+    def step(self) -> list[EngineCoreOutput]: ...
+
+    def make_stats(self) -> SchedulerStats: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InprocClient:
+    """The in-process `EngineCore` behind the client interface."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.intake = RequestIntake()
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self.intake.add_requests(list(requests))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        ids = list(request_ids)
+        if ids:
+            self.intake.abort_requests(ids)
+        return ids
+
+    def has_pending_intake(self) -> bool:
+        return self.intake.has_pending_intake()
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.intake.drain_into(self.core)
+        return self.core.step()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.core.make_stats()
+
+    def check_health(self) -> None:
+        self.core.check_health()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def make_client(config: EngineConfig, reserved_pg: Any = None) -> EngineCoreClient:
+    """The in-process core, or on Ray (any parallel size above 1, or
+    `distributed_executor_backend="ray"`) the SchedulerActor's client
+    (`reserved_pg`: the Serve replica's placement group, for that case)."""
+    core = make_engine_core(config, reserved_pg)
+    return InprocClient(core) if isinstance(core, EngineCore) else core
