@@ -5,7 +5,6 @@ from wall-clock measurements)."""
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 import torch
@@ -184,21 +183,6 @@ def test_plans_are_cached_per_shape(monkeypatch: pytest.MonkeyPatch, tmp_path) -
     gemm_select.plan_for([torch.zeros(8, 24)], ["linear", "mm_t"])
     assert timed == [(24, 8), (8, 24)]
     assert len(list((tmp_path / "gemm_plans").glob("*.json"))) == 2
-
-
-def test_empty_huge_is_aligned_and_usable() -> None:
-    """Large buffers start on a 2 MiB boundary (where huge pages can back
-    them) and behave as ordinary tensors; small ones are plain tensors."""
-    from rayvllm.kernels.host_memory import HUGE_PAGE, empty_huge
-
-    big = empty_huge((3, 1 << 20))
-    assert big.shape == (3, 1 << 20) and big.dtype == torch.float32 and big.is_contiguous()
-    if sys.platform.startswith("linux"):
-        assert big.data_ptr() % HUGE_PAGE == 0
-    big.fill_(2.0)
-    assert float(big.sum()) == 2.0 * 3 * (1 << 20)
-    small = empty_huge((4, 5), torch.int64)
-    assert small.shape == (4, 5) and small.dtype == torch.int64
 
 
 def test_a_failing_candidate_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:

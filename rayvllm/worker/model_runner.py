@@ -29,7 +29,7 @@ from rayvllm.distributed.parallel_state import (
 from rayvllm.engine_types import LogprobsLists, ModelRunnerOutput
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
-from rayvllm.kernels.host_memory import empty_huge
+from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
@@ -93,6 +93,8 @@ class ModelRunner:
     # ---- setup -------------------------------------------------------------------
 
     def load_model(self) -> None:
+        if self.on_cpu:
+            keep_freed_memory()
         torch.manual_seed(self.model_config.seed)
         self.model = load_model(
             self.model_config.model,
