@@ -73,6 +73,31 @@ class ServeProcess:
             time.sleep(0.5)  # polling a server that is still starting, not synchronisation
         raise TimeoutError(f"server not ready in {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
 
+    def descendant_pids(self, cmdline_part: str) -> list[int]:
+        """Processes this server started (its Ray cluster's included, at any
+        depth) whose command line contains `cmdline_part`: what a fault test
+        may kill, by pid, without touching anything else on the machine."""
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                # The command name in parentheses may hold spaces: split after it.
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # the process ended while we looked
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        found, todo = [], list(children.get(self.proc.pid, []))
+        while todo:
+            pid = todo.pop()
+            todo += children.get(pid, [])
+            try:
+                raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+            except OSError:
+                continue
+            cmdline = raw.replace(b"\0", b" ").decode(errors="replace")
+            if cmdline_part in cmdline:
+                found.append(pid)
+        return found
+
     def log_tail(self, chars: int = 6000) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]

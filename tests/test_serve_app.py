@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -302,7 +304,9 @@ def test_dead_worker_is_reported(server: ServeProcess) -> None:
     must turn 503 and requests fail fast with an OpenAI-style 503 (Serve
     restarts the replica only after its next health check, seconds later)."""
     assert requests.get(f"{BASE_URL}/health", timeout=60).status_code == 200
-    subprocess.run(["pkill", "-9", "-f", "ray::WorkerActor"], check=True)
+    workers = server.descendant_pids("ray::WorkerActor")
+    assert len(workers) == 1, workers  # TP=PP=DP=1: one rank
+    os.kill(workers[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
     while (health := requests.get(f"{BASE_URL}/health", timeout=60)).status_code == 200:
         assert time.monotonic() < deadline, "health still 200 after the worker died"
