@@ -18,17 +18,11 @@ from pathlib import Path
 import requests
 
 from rayvllm.entrypoints.serve_builder import direct_ingress_env
+from rayvllm.worker.worker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROXY_PORT = 8000
 BASE_URL = f"http://127.0.0.1:{PROXY_PORT}"
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the kernel's pick for port 0)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 DIRECT_PORT = free_port()
