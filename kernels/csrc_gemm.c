@@ -64,9 +64,13 @@ void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k) {
 }
 
 /* rows (<= ROWS) x TILE outputs; `rows` is a literal at every call site, so
- * the accumulators become registers. Iteration i also fetches line i of
- * `pf` (while i < pf_lines) into L2: part of the next tile, so that its
- * read from memory overlaps this tile's arithmetic. */
+ * the accumulators become registers. The block also fetches `pf_lines`
+ * lines of `pf` into L2, part of the next tile, so that its read from memory
+ * overlaps this tile's arithmetic. The fetches are spread evenly over the k
+ * iterations, at most one per iteration: issued back to back they held the
+ * line-fill buffers that this tile's own loads from L2 need (48 rows: 10%
+ * slower), and two per iteration slowed the one-block products of 4-8 rows
+ * (docs/BENCHMARKS.md); what is left over goes to the hardware prefetcher. */
 static inline __attribute__((always_inline)) void tile_block(
     const float *x, int64_t ldx, const float *wt, float *out, int64_t ldo, int64_t k, int rows,
     const float *pf, int64_t pf_lines) {
@@ -76,10 +80,16 @@ static inline __attribute__((always_inline)) void tile_block(
         lo[r] = (vf){0};
         hi[r] = (vf){0};
     }
+    int64_t due = 0, line = 0;
     for (int64_t i = 0; i < k; i++) {
         /* One prefetch per 64-byte line of the tile row (a constant trip count). */
         for (int c = 0; c < TILE; c += 16) __builtin_prefetch(wt + (i + PREFETCH_ROWS) * TILE + c);
-        if (i < pf_lines) __builtin_prefetch(pf + i * 16, 0, 2);
+        due += pf_lines;
+        if (due >= k) {
+            due -= k;
+            __builtin_prefetch(pf + line * 16, 0, 2);
+            line++;
+        }
         vf wlo = *(const vf *)(wt + i * TILE);
         vf whi = *(const vf *)(wt + i * TILE + VEC);
 #pragma GCC unroll 12
