@@ -1,5 +1,6 @@
 """`SchedulerActor`: the Ray shim over the engine core (schedulers, KV block
-pools, prefix caches and the worker groups they drive).
+pools, prefix caches and the worker groups they drive) and the loop that
+owns it (engine/core_loop.py).
 
 It asks Ray for no CPU (DESIGN principle 8): it computes nothing heavy and
 must fit beside the workers on a small machine.
@@ -7,18 +8,16 @@ must fit beside the workers on a small machine.
 
 from __future__ import annotations
 
+import threading
+from multiprocessing.connection import Listener
+
 import ray
 import torch
 
 from rayvllm.config import EngineConfig
-from rayvllm.distributed.rpc_channel import ChannelServer
+from rayvllm.distributed.rpc_channel import accept, open_listener
+from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine.intake import IntakeStalledError, RequestIntake
-from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-
-# A step call's intake messages were sent before it, on a connection to the
-# same actor; not seeing them within this long means that channel is broken.
-INTAKE_WAIT_S = 60.0
 
 
 def _one_thread() -> None:
@@ -29,14 +28,15 @@ def _one_thread() -> None:
 @ray.remote(num_cpus=0)
 class SchedulerActor:
     """Construction is cheap; `start` builds the core so its errors
-    (placement, preflight, sizing) reach the caller with their own types."""
+    (placement, preflight, sizing) reach the caller with their own types.
+    From `open_stream` on, the core is touched only by its loop's thread
+    (and `check_health`, which only asks the workers)."""
 
     def __init__(self) -> None:
         _one_thread()
         self.core: EngineCore | None = None
-        self.channel: ChannelServer | None = None
-        self.intake = RequestIntake()
-        self.intake_channel: ChannelServer | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._listener: Listener | None = None
 
     def start(self, config: EngineConfig, reserved_pg: object = None) -> int:
         """Start every worker group (in `reserved_pg` when Serve reserved
@@ -44,39 +44,38 @@ class SchedulerActor:
         self.core = EngineCore(config, reserved_pg=reserved_pg)
         return config.cache_config.num_blocks
 
-    def open_channels(self) -> list[tuple[tuple[str, int], bytes]]:
-        """Open the engine loop's two direct channels and return their
-        addresses and keys: the step channel (`step`, `make_stats`; from
-        then on the core is touched only from its thread) and the one-way
-        intake channel, which takes adds and aborts into `self.intake` the
-        moment the loop has them, even while a step runs."""
-        host = ray.util.get_node_ip_address()
-        self.channel = ChannelServer(self, host, on_thread_start=_one_thread)
-        self.intake_channel = ChannelServer(self.intake, host, one_way=True)
-        return [(c.address, c.authkey) for c in (self.channel, self.intake_channel)]
+    def open_stream(self) -> tuple[tuple[str, int], bytes]:
+        """Listen for the client's one connection and return its address
+        and key; once it connects, the engine loop runs on its own thread
+        until the client hangs up."""
+        assert self.core is not None and self._listener is None
+        listener, authkey = open_listener(ray.util.get_node_ip_address())
+        self._listener = listener
+        self._loop_thread = threading.Thread(target=self._serve, name="rayvllm-engine-loop", daemon=True)
+        self._loop_thread.start()
+        return listener.address, authkey
 
-    def step(self, intake_count: int) -> list[EngineCoreOutput]:
-        """One engine step, once the first `intake_count` intake messages
-        (everything the loop sent before this call) have arrived."""
-        assert self.core is not None and self.intake_channel is not None
+    def _serve(self) -> None:
+        _one_thread()
+        assert self.core is not None and self._listener is not None
         try:
-            self.intake.wait_for(intake_count, INTAKE_WAIT_S)
-        except IntakeStalledError as e:
-            raise IntakeStalledError(f"{e}; the intake channel's error: {self.intake_channel.error!r}") from None
-        return self.core.step(self.intake)
-
-    def make_stats(self) -> SchedulerStats:
-        assert self.core is not None
-        return self.core.make_stats()
+            conn = accept(self._listener)
+        except OSError:
+            return  # shut down before the client came
+        finally:
+            self._listener.close()
+        EngineCoreLoop(self.core, conn).run()
 
     def check_health(self) -> None:
         assert self.core is not None
         self.core.check_health()
 
     def shutdown(self) -> None:
-        for channel in (self.channel, self.intake_channel):
-            if channel is not None:
-                channel.close()
+        """Called after the client hung up, so the loop is ending."""
+        if self._listener is not None:
+            self._listener.close()
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=30)
         if self.core is not None:
             self.core.shutdown()
             self.core = None

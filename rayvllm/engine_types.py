@@ -1,8 +1,10 @@
 """The engine's data types, at the bottom of the import graph: what a model
 runner returns for a step (`ModelRunnerOutput`, its logprob rows), what the
-engine core emits per request (`EngineCoreOutput`), and the scheduler's
-stats (`SchedulerStats`, `PrefixCacheStats`). Every layer above imports them
-from here; this module imports nothing of rayvllm but `request`.
+engine core emits per request (`EngineCoreOutput`), the scheduler's stats
+(`SchedulerStats`, `PrefixCacheStats`), and the typed messages between an
+engine loop and its client (`AddRequests`, `AbortRequests` in,
+`EngineCoreOutputs`, `EngineCoreFailure` out). Every layer above imports
+them from here; this module imports nothing of rayvllm but `request`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayvllm.request import FinishReason
+from rayvllm.request import EngineCoreRequest, FinishReason
 
 
 @dataclass
@@ -115,6 +117,11 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
 
+    def add(self, other: "PrefixCacheStats") -> None:
+        self.requests += other.requests
+        self.queries += other.queries
+        self.hits += other.hits
+
     def reset(self) -> None:
         self.requests = 0
         self.queries = 0
@@ -140,9 +147,7 @@ class SchedulerStats:
         pools are the same size)."""
         prefix = PrefixCacheStats()
         for s in per_rank:
-            prefix.requests += s.prefix_cache_stats.requests
-            prefix.queries += s.prefix_cache_stats.queries
-            prefix.hits += s.prefix_cache_stats.hits
+            prefix.add(s.prefix_cache_stats)
         return cls(
             num_running_reqs=sum(s.num_running_reqs for s in per_rank),
             num_waiting_reqs=sum(s.num_waiting_reqs for s in per_rank),
@@ -150,3 +155,41 @@ class SchedulerStats:
             prefix_cache_stats=prefix,
             num_preemptions=sum(s.num_preemptions for s in per_rank),
         )
+
+
+# ---- the engine loop's channel (core_loop.py <-> ray_core_client.py) -----------------
+
+
+@dataclass
+class AddRequests:
+    """Requests that share one prompt (the children of an n > 1 request),
+    added together so that they land on one DP rank."""
+
+    requests: list[EngineCoreRequest]
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+EngineCoreInput = AddRequests | AbortRequests
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One push from an engine loop: the outputs of its latest step, the
+    scheduler stats right after it, and how many inputs the loop has
+    applied in all (so the client knows which of its sends are done).
+    `scheduler_stats.prefix_cache_stats` counts since the previous push."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    inputs_applied: int
+
+
+@dataclass
+class EngineCoreFailure:
+    """The last push of a loop that stopped on an error."""
+
+    error: str

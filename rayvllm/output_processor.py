@@ -367,21 +367,22 @@ class OutputProcessor:
     # ---- the per-step path -------------------------------------------------------
 
     def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> OutputProcessorResult:
-        """Fold one step of engine-core outputs into RequestOutputs.
+        """Fold engine-core outputs into RequestOutputs: one per touched user
+        request, even when `outputs` spans several steps (a request's
+        outputs then appear in step order and their deltas are joined).
 
         `now` (default `time.time()`) stamps token and finish times; tests
         pass it to get deterministic metrics.
         """
         now = time.time() if now is None else now
         result = OutputProcessorResult()
-        # Groups with something to show, in arrival order, with each touched
-        # child's fresh output.
-        touched: dict[str, dict[int, CompletionOutput]] = {}
+        # Sequences with something new, in arrival order; each is shown once,
+        # after all of its outputs are folded in.
+        touched_states: dict[str, _SequenceState] = {}
         for out in outputs:
             state = self._sequences.get(out.request_id)
             if state is None:
                 continue  # finished or aborted here while still in flight in the core
-            group = state.group
             new_ids = out.new_token_ids
             metrics = state.metrics
             if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
@@ -415,10 +416,14 @@ class OutputProcessor:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
             if finish_reason is not None:
                 self._finish(state, finish_reason, stop_reason, now)
-            completion = state.make_output(group.output_kind)
-            if completion is not None:  # None: FINAL_ONLY and still running
-                touched.setdefault(group.request_id, {})[state.index] = completion
+            touched_states[state.request_id] = state
 
+        # Groups with something to show, with each touched child's fresh output.
+        touched: dict[str, dict[int, CompletionOutput]] = {}
+        for state in touched_states.values():
+            completion = state.make_output(state.group.output_kind)
+            if completion is not None:  # None: FINAL_ONLY and still running
+                touched.setdefault(state.group.request_id, {})[state.index] = completion
         result.request_outputs = self._make_request_outputs(touched)
         return result
 

@@ -1,4 +1,5 @@
-"""Just-in-time scheduling: `RequestIntake` and `EngineCore.step(intake)`.
+"""Just-in-time scheduling (`RequestIntake`, `EngineCore.step(intake)`) and
+the engine loop that owns a core and pushes its outputs (`EngineCoreLoop`).
 
 Model-free: a fake executor holds each submitted step until the core asks
 for its result, and can deliver a request "during" that step, the way the
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 
 import pytest
 import torch
@@ -15,8 +18,9 @@ import torch
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine.intake import IntakeStalledError, RequestIntake
-from rayvllm.engine_types import ModelRunnerOutput
+from rayvllm.engine.core_loop import EngineCoreLoop
+from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine_types import AbortRequests, AddRequests, EngineCoreFailure, EngineCoreOutputs, ModelRunnerOutput
 from rayvllm.executor.base import Executor
 from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SamplingParams
@@ -39,40 +43,33 @@ class RecordingCore:
         return list(request_ids)
 
 
-def test_intake_drains_in_arrival_order_and_counts_every_message() -> None:
+def test_intake_drains_in_arrival_order_and_counts_what_it_applied() -> None:
     intake = RequestIntake()
     assert not intake.has_pending_intake()
     intake.add_requests([request("a"), request("a-1")])
     intake.abort_requests(["a"])
     intake.add_requests([request("b")])
-    assert intake.received == 3 and intake.has_pending_intake()
+    assert intake.applied == 0 and intake.has_pending_intake()
     core = RecordingCore()
     intake.drain_into(core)
     assert core.calls == [("add", ["a", "a-1"]), ("abort", ["a"]), ("add", ["b"])]
-    assert intake.received == 3 and not intake.has_pending_intake()
+    assert intake.applied == 3 and not intake.has_pending_intake()
 
 
-def test_wait_for_returns_once_the_counted_messages_arrive() -> None:
+def test_wait_for_input_wakes_on_a_put_and_on_close() -> None:
     intake = RequestIntake()
-    intake.wait_for(0, timeout_s=0.0)
-    waiting = threading.Event()
-    done = threading.Event()
-
-    def waiter() -> None:
-        waiting.set()
-        intake.wait_for(2, timeout_s=60.0)
-        done.set()
-
-    thread = threading.Thread(target=waiter)
+    results: list[bool] = []
+    thread = threading.Thread(target=lambda: results.append(intake.wait_for_input()))
     thread.start()
-    waiting.wait()
-    intake.add_requests([request("a")])
-    assert not done.is_set()  # one of the two counted messages is not enough
     intake.abort_requests(["a"])
     thread.join(timeout=60.0)
-    assert done.is_set()
-    with pytest.raises(IntakeStalledError, match="counted 3 intake messages but only 2 arrived"):
-        intake.wait_for(3, timeout_s=0.0)
+    assert results == [True]
+    intake.drain_into(RecordingCore())
+    thread = threading.Thread(target=lambda: results.append(intake.wait_for_input()))
+    thread.start()
+    intake.close()
+    thread.join(timeout=60.0)
+    assert results == [True, False] and intake.closed
 
 
 class _Held:
@@ -225,3 +222,52 @@ def test_the_inproc_client_queues_adds_and_aborts_until_its_step() -> None:
     assert not client.has_pending_intake()
     assert ex.requests_in(0) == ["a"]  # "b" was aborted before it was ever scheduled
     assert [o.request_id for o in outputs] == ["a"] and outputs[0].new_token_ids == [7]
+
+
+# ---- the engine loop that owns the core (core_loop.py) -------------------------------
+
+
+def _run_loop(core: EngineCore) -> tuple[Connection, threading.Thread]:
+    client, server = Pipe(duplex=True)
+    thread = threading.Thread(target=EngineCoreLoop(core, server).run, name="test-engine-loop")
+    thread.start()
+    return client, thread
+
+
+def test_the_engine_loop_pushes_once_per_step_and_blocks_when_idle() -> None:
+    core, ex = make_core(async_scheduling=False)
+    conn, thread = _run_loop(core)
+    first = conn.recv()
+    assert first.outputs == [] and first.inputs_applied == 0 and first.scheduler_stats.num_running_reqs == 0
+    conn.send(AddRequests([request("a", max_tokens=3)]))
+    pushes: list[EngineCoreOutputs] = []
+    while not any(o.finished for p in pushes for o in p.outputs):
+        pushes.append(conn.recv())
+    assert [t for p in pushes for o in p.outputs for t in o.new_token_ids] == [7, 7, 7]
+    assert len(pushes) == len(ex.steps) == 3 and all(p.inputs_applied == 1 for p in pushes)
+    assert pushes[-1].scheduler_stats.num_running_reqs == 0
+    # Idle now: nothing more comes until the next input, which gets its push.
+    conn.send(AbortRequests(["gone"]))
+    ack = conn.recv()
+    assert ack.outputs == [] and ack.inputs_applied == 2
+    conn.close()  # the client hangs up: the loop ends
+    thread.join(timeout=60.0)
+    assert not thread.is_alive()
+
+
+def test_a_failing_step_is_the_loops_last_push() -> None:
+    core, ex = make_core(async_scheduling=False)
+    conn, thread = _run_loop(core)
+    conn.recv()
+
+    def fail() -> None:
+        raise RuntimeError("the worker broke")
+
+    ex.during_step = fail
+    conn.send(AddRequests([request("a")]))
+    message = conn.recv()
+    assert isinstance(message, EngineCoreFailure) and "the worker broke" in message.error
+    thread.join(timeout=60.0)
+    assert not thread.is_alive()
+    with pytest.raises(EOFError):
+        conn.recv()

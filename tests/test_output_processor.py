@@ -327,6 +327,26 @@ def test_max_tokens_length_finish(tok: Any, processor: Processor) -> None:
     assert out.finished() and run.final.finished
 
 
+def test_outputs_of_several_steps_in_one_call_join_their_deltas(tok: Any, processor: Processor) -> None:
+    """The Ray client hands over every push that has arrived at once, so a
+    request may appear once per step in one call: one RequestOutput per
+    request, its DELTA covering all of them, nothing lost."""
+    ids = enc(tok, " ray serve fast")
+    op = OutputProcessor(tok)
+    add(op, processor, "a", SamplingParams(max_tokens=len(ids)), DELTA)
+    add(op, processor, "b", SamplingParams(max_tokens=len(ids)), DELTA)
+    steps = [
+        EngineCoreOutput(request_id=rid, new_token_ids=[t]) for t in ids[:-1] for rid in ("a", "b")
+    ]
+    first = op.process_outputs(steps, now=100.0).request_outputs
+    assert [o.request_id for o in first] == ["a", "b"]
+    assert all(o.outputs[0].token_ids == ids[:-1] for o in first)
+    last = op.process_outputs(
+        [EngineCoreOutput(request_id="a", new_token_ids=ids[-1:], finish_reason=FinishReason.LENGTH)], now=101.0
+    ).request_outputs
+    assert "".join(o.outputs[0].text for o in first[:1] + last) == " ray serve fast"
+
+
 def test_multibyte_stream_through_processor(tok: Any, processor: Processor) -> None:
     text = " é and 😀 über 中文"
     ids = enc(tok, text)

@@ -36,6 +36,38 @@ def _no_delay(conn: Connection) -> None:
         sock.detach()
 
 
+def hang_up(conn: Connection) -> None:
+    """Close `conn` so that the peer sees the end at once, even while another
+    thread of ours is blocked reading it (a plain close leaves the socket
+    open until that read returns)."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already down
+    finally:
+        sock.detach()
+    conn.close()
+
+
+def open_listener(host: str) -> tuple[Listener, bytes]:
+    """A listener on a free port of `host` and the key a client must show."""
+    authkey = secrets.token_bytes(32)
+    return Listener((host, 0), authkey=authkey), authkey
+
+
+def accept(listener: Listener) -> Connection:
+    conn = listener.accept()
+    _no_delay(conn)
+    return conn
+
+
+def connect(address: tuple[str, int], authkey: bytes) -> Connection:
+    conn = Client(address, authkey=authkey)
+    _no_delay(conn)
+    return conn
+
+
 class ChannelServer:
     """Serves `target.<method>(*args)` for one client. Invariant: at most one
     call runs at a time, on the server thread (`on_thread_start` runs there
@@ -54,8 +86,7 @@ class ChannelServer:
         self.target = target
         self.one_way = one_way
         self.error: BaseException | None = None
-        self.authkey = secrets.token_bytes(32)
-        self._listener = Listener((host, 0), authkey=self.authkey)
+        self._listener, self.authkey = open_listener(host)
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._on_thread_start = on_thread_start
         self._conn: Connection | None = None
@@ -66,10 +97,9 @@ class ChannelServer:
         if self._on_thread_start is not None:
             self._on_thread_start()
         try:
-            conn = self._conn = self._listener.accept()
+            conn = self._conn = accept(self._listener)
         except OSError:
             return  # closed before a client came
-        _no_delay(conn)
         while True:
             try:
                 method, args = conn.recv()
@@ -102,8 +132,7 @@ class ChannelServer:
 
 class ChannelClient:
     def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
-        self._conn = Client(address, authkey=authkey)
-        _no_delay(self._conn)
+        self._conn = connect(address, authkey)
 
     def send(self, method: str, *args: Any) -> None:
         self._conn.send((method, args))

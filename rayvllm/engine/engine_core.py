@@ -136,6 +136,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_rank)
 
+    def has_work(self) -> bool:
+        """Requests to run, or steps still on the workers."""
+        return bool(self.request_rank) or any(self.inflight)
+
     def step(self, intake: RequestIntake | None = None) -> list[EngineCoreOutput]:
         """Take back the finished oldest step of each rank (at least one,
         waiting if none is) and return their outputs, with every rank's next

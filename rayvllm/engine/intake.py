@@ -1,86 +1,81 @@
-"""Requests and aborts that reach the engine core while a step runs.
+"""Adds and aborts on their way into an engine core, from any thread.
 
-On Ray the engine loop sends every add and abort to the SchedulerActor the
-moment it has one, on a one-way channel; the channel's thread puts them
-here and the core takes them right before it schedules (`EngineCore.step`),
-so a request that arrives during a forward makes the very next step. The
-in-process AsyncLLM keeps one too: its event loop puts, its step thread
-drains between steps.
+The engine loop on the SchedulerActor (core_loop.py) has its channel's
+reader thread put every input here the moment it arrives, and the core
+takes them right before it schedules (`EngineCore.step`), so a request that
+arrives during a forward makes the very next step. The in-process client
+keeps one too: the serving event loop puts, the step thread drains.
 
-Invariants: messages are taken in the order they were sent, so an abort
-never overtakes the add it names; `received` counts every message ever put,
-so a step call that carries the sender's count can wait until everything
-sent before it has arrived (the two channels are separate connections, and
-nothing orders one against the other).
+Invariants: inputs are applied in the order they were put, so an abort
+never overtakes the add it names; `applied` counts every input applied so
+far (the loop reports it to its client with each push).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Protocol
 
+from rayvllm.engine_types import AbortRequests, AddRequests, EngineCoreInput
 from rayvllm.request import EngineCoreRequest
 
 
 class IntakeTarget(Protocol):
-    """What takes the drained messages: an engine core."""
+    """What takes the drained inputs: an engine core."""
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
 
     def abort_requests(self, request_ids: list[str]) -> object: ...
 
 
-class IntakeStalledError(RuntimeError):
-    """A step call counted messages that never arrived."""
-
-
-@dataclass(frozen=True)
-class _Aborts:
-    request_ids: list[str]
-
-
 class RequestIntake:
     def __init__(self) -> None:
-        # A request group (the children of one n > 1 request), or aborts.
-        self._items: deque[list[EngineCoreRequest] | _Aborts] = deque()
+        self._items: deque[EngineCoreInput] = deque()
         self._arrived = threading.Condition()
-        self.received = 0
+        self._closed = False
+        self.applied = 0
 
-    # ---- the channel thread --------------------------------------------------------
+    # ---- any thread ----------------------------------------------------------------
 
-    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        self._put(requests)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self._put(_Aborts(request_ids))
-
-    def _put(self, item: list[EngineCoreRequest] | _Aborts) -> None:
+    def put(self, item: EngineCoreInput) -> None:
         with self._arrived:
             self._items.append(item)
-            self.received += 1
             self._arrived.notify_all()
 
-    # ---- the step thread -----------------------------------------------------------
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self.put(AddRequests(list(requests)))
 
-    def wait_for(self, count: int, timeout_s: float) -> None:
-        """Return once `count` messages have arrived in all."""
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.put(AbortRequests(list(request_ids)))
+
+    def close(self) -> None:
+        """No more inputs will come (the client hung up)."""
         with self._arrived:
-            if not self._arrived.wait_for(lambda: self.received >= count, timeout_s):
-                raise IntakeStalledError(
-                    f"a step call counted {count} intake messages but only {self.received} arrived "
-                    f"within {timeout_s:.0f} s"
-                )
+            self._closed = True
+            self._arrived.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def has_pending_intake(self) -> bool:
         return bool(self._items)
+
+    # ---- the thread that steps -----------------------------------------------------
+
+    def wait_for_input(self) -> bool:
+        """Block until an input is pending (True) or the intake is closed (False)."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._items or self._closed)
+            return bool(self._items) and not self._closed
 
     def drain_into(self, core: IntakeTarget) -> None:
         """Hand everything that has arrived to `core`, in arrival order."""
         while self._items:
             item = self._items.popleft()
-            if isinstance(item, _Aborts):
-                core.abort_requests(item.request_ids)
+            if isinstance(item, AddRequests):
+                core.add_requests(item.requests)
             else:
-                core.add_requests(item)
+                core.abort_requests(item.request_ids)
+            self.applied += 1

@@ -1,27 +1,18 @@
-"""The engine loop's handle on a `SchedulerActor`: the same methods as
-`EngineCore`, so the loop cannot tell them apart (DESIGN principle 1).
+"""The client of a `SchedulerActor`'s engine loop (core_loop.py): the same
+methods as the in-process client, so `AsyncLLM` cannot tell them apart
+(DESIGN principle 1).
 
-Two direct channels to the actor (rpc_channel.py says why not Ray calls):
-- Intake, one-way: every add and abort goes out the moment the caller makes
-  it, from any thread, so the actor has it even while a step runs (see
-  engine_core.py for how the core schedules it just in time).
-- Steps: one round trip per step. The call carries how many intake messages
-  were sent before it, and the actor waits for those, so a request added
-  before a `step` is never later than that step.
-
-Without async scheduling the round trip is pipelined: `step` takes the
-reply of the call already in flight and at once sends the next one before
-returning, so the loop's output processing (detokenizing, stop strings)
-overlaps the next step's scheduling and forward instead of lengthening every
-step. The price: a request added after that call went out waits for the
-step after next, and an aborted request may emit one more output, which the
-OutputProcessor drops (it no longer knows the id). With async scheduling
-the actor already keeps the next step queued on the workers while it
-answers, so `step` is one plain call.
+One direct connection (rpc_channel.py says why not Ray calls) carries both
+ways: inputs go out the moment the caller makes them, from any thread, in
+order; the loop pushes `EngineCoreOutputs` after every step on its own, so
+`step` here only reads what was pushed, and the loop's next step already
+runs while the caller processes the last one's outputs. Stats ride along
+with every push; `make_stats` costs no round trip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterable
@@ -32,8 +23,17 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
-from rayvllm.distributed.rpc_channel import ChannelClient
-from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
+from rayvllm.distributed.rpc_channel import connect, hang_up
+from rayvllm.engine_types import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreFailure,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    PrefixCacheStats,
+    SchedulerStats,
+)
 from rayvllm.errors import EngineDeadError
 from rayvllm.executor.placement import HOT_PATH_RUNTIME_ENV
 from rayvllm.request import EngineCoreRequest
@@ -57,7 +57,7 @@ def ensure_ray_initialized(pc: ParallelConfig) -> None:
 
 class RayEngineCoreClient:
     """`add_requests` and `abort_requests` may be called from any thread,
-    also while another runs `step` (AsyncLLM calls them from its loop)."""
+    also while another is in `step`; `step` and `make_stats` from one."""
 
     def __init__(self, config: EngineConfig, reserved_pg: Any = None) -> None:
         """`reserved_pg`: the Serve replica's placement group (laid out by
@@ -76,84 +76,75 @@ class RayEngineCoreClient:
         ).remote()
         try:
             config.cache_config.num_blocks = ray.get(self.actor.start.remote(config, reserved_pg))
-            step_end, intake_end = ray.get(self.actor.open_channels.remote())
-            self.channel = ChannelClient(*step_end)
-            self.intake_channel = ChannelClient(*intake_end)
+            self.conn = connect(*ray.get(self.actor.open_stream.remote()))
         except BaseException:
             ray.kill(self.actor)
             raise
-        self._intake_lock = threading.Lock()
-        self._intake_sent = 0  # messages on the intake channel so far
-        self._intake_stepped = 0  # of those, how many a step call has counted
-        self._pipelined = not config.scheduler_config.async_scheduling
-        # Invariants: at most one `step` call is unanswered on the channel
-        # (`_inflight`), and `_ready` holds the outputs of one that was
-        # answered while another call waited behind it; never both.
-        self._inflight = False
-        self._ready: list[EngineCoreOutput] | None = None
+        self._send_lock = threading.Lock()
+        self._sent = 0  # inputs sent so far
+        self._applied = 0  # of those, how many the loop has applied (as of its latest push)
+        self._prefix_stats = PrefixCacheStats()  # pushed since the last `make_stats`
+        self._stats: SchedulerStats | None = None
+        self._recv()  # the loop's first push: its stats before any step
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.add_requests([request])
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        self._send_intake("add_requests", list(requests))
+        self._send(AddRequests(list(requests)))
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         ids = list(request_ids)
         if ids:
-            self._send_intake("abort_requests", ids)
+            self._send(AbortRequests(ids))
         return ids
 
-    def _send_intake(self, method: str, payload: list[EngineCoreRequest] | list[str]) -> None:
-        with self._intake_lock:
+    def _send(self, message: EngineCoreInput) -> None:
+        with self._send_lock:
             try:
-                self.intake_channel.send(method, payload)
+                self.conn.send(message)
             except OSError as e:
                 raise EngineDeadError(f"the scheduler actor is gone: {e!r}") from e
-            self._intake_sent += 1
+            self._sent += 1
 
     def has_pending_intake(self) -> bool:
-        """Adds or aborts were sent that no step call has counted yet."""
-        return self._intake_sent > self._intake_stepped
+        """Inputs were sent that the loop has not reported applied."""
+        return self._sent > self._applied
 
     def step(self) -> list[EngineCoreOutput]:
+        """The outputs pushed since the last call, waiting for one push if
+        none has arrived. Call it only while requests are unfinished or
+        inputs pending: an idle loop pushes nothing."""
+        outputs = self._recv()
+        while self._ready():
+            outputs += self._recv()
+        return outputs
+
+    def _ready(self) -> bool:
         try:
-            if self._ready is not None:
-                outputs, self._ready = self._ready, None
-            else:
-                if not self._inflight:
-                    self._send_step()
-                outputs = self._recv_step()
-            if self._pipelined:
-                self._send_step()
+            return self.conn.poll()
+        except (EOFError, OSError):
+            return True  # `_recv` raises the error
+
+    def _recv(self) -> list[EngineCoreOutput]:
+        try:
+            message = self.conn.recv()
         except (EOFError, OSError) as e:
             raise EngineDeadError(f"the scheduler actor is gone: {e!r}") from e
-        return outputs
-
-    def _send_step(self) -> None:
-        count = self._intake_sent
-        self.channel.send("step", count)
-        self._intake_stepped = count
-        self._inflight = True
-
-    def _recv_step(self) -> list[EngineCoreOutput]:
-        self._inflight = False
-        outputs: list[EngineCoreOutput] = self.channel.recv()
-        return outputs
+        if isinstance(message, EngineCoreFailure):
+            raise EngineDeadError(f"the engine loop failed: {message.error}")
+        assert isinstance(message, EngineCoreOutputs)
+        self._applied = message.inputs_applied
+        self._stats = message.scheduler_stats
+        self._prefix_stats.add(message.scheduler_stats.prefix_cache_stats)
+        return message.outputs
 
     def make_stats(self) -> SchedulerStats:
-        """Stats as of the end of the step in flight."""
-        try:
-            self.channel.send("make_stats")
-            if self._inflight:
-                try:
-                    self._ready = self._recv_step()
-                finally:
-                    stats = self.channel.recv()  # keeps the channel in step
-                return stats
-            return self.channel.recv()
-        except (EOFError, OSError) as e:
-            raise EngineDeadError(f"the scheduler actor is gone: {e!r}") from e
+        """The gauges as of the latest push, with the prefix-cache counts of
+        every push since the previous call (each counted exactly once)."""
+        assert self._stats is not None
+        prefix, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
+        return dataclasses.replace(self._stats, prefix_cache_stats=prefix)
 
     def check_health(self) -> None:
         ray.get(self.actor.check_health.remote())
@@ -161,8 +152,7 @@ class RayEngineCoreClient:
     def shutdown(self) -> None:
         if self.actor is None:
             return
-        self.channel.close()
-        self.intake_channel.close()
+        hang_up(self.conn)  # the loop sees the end and stops
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
         finally:

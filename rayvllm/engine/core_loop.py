@@ -1,0 +1,75 @@
+"""The loop that owns an engine core and pushes its outputs (vLLM's
+`EngineCoreProc` busy loop), run by the SchedulerActor for one client.
+
+The client never drives steps: it sends inputs (`AddRequests`,
+`AbortRequests`) on one connection, in order, from any thread, and reads
+`EngineCoreOutputs` pushed back on the same connection. The loop drains the
+inputs, steps the core while it has work and pushes after every step, so
+the next step is already running while the client turns the last one into
+text; with nothing to do it blocks on the connection.
+
+Ray-free: the actor hands it a connected socket (rpc_channel.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+from rayvllm.distributed.rpc_channel import hang_up
+from rayvllm.engine.engine_core import EngineCore
+from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine_types import EngineCoreFailure, EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreLoop:
+    """Invariants: inputs are applied in the order the client sent them,
+    each before the first step scheduled after its arrival; every step is
+    followed by exactly one push, which carries the count of inputs applied
+    so far; with no work and no input the loop blocks, never spins. It ends
+    when the client hangs up; on an error it pushes `EngineCoreFailure`
+    first."""
+
+    def __init__(self, core: EngineCore, conn: Connection) -> None:
+        self.core = core
+        self.conn = conn
+        self.intake = RequestIntake()
+
+    def run(self) -> None:
+        """Serve until the client hangs up (on the calling thread)."""
+        reader = threading.Thread(target=self._read, name="rayvllm-core-input", daemon=True)
+        reader.start()
+        try:
+            self._push(EngineCoreOutputs([], self.core.make_stats(), 0))
+            while not self.intake.closed:
+                if not self.core.has_work() and not self.intake.has_pending_intake():
+                    if not self.intake.wait_for_input():
+                        break
+                outputs = self.core.step(self.intake)
+                self._push(EngineCoreOutputs(outputs, self.core.make_stats(), self.intake.applied))
+        except (EOFError, OSError):
+            pass  # the client is gone; nobody is left to tell
+        except BaseException as e:  # noqa: BLE001 - the client must hear why
+            logger.exception("engine loop failed")
+            try:
+                self._push(EngineCoreFailure(f"{e!r}\n{traceback.format_exc()}"))
+            except OSError:
+                pass
+        finally:
+            hang_up(self.conn)
+
+    def _push(self, message: EngineCoreOutputs | EngineCoreFailure) -> None:
+        self.conn.send(message)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self.intake.put(self.conn.recv())
+        except (EOFError, OSError):
+            pass
+        finally:
+            self.intake.close()
