@@ -9,9 +9,9 @@ this channel blocks in the kernel while waiting and costs ~0.1 ms.
 
 The server runs calls one at a time, in arrival order, on its own thread, so
 a client may send several calls before reading the first reply (pipeline
-stages overlap that way). Replies come back in the same order. A one-way
-server sends no replies: its client only ever `send`s (the SchedulerActor's
-request intake, where a reply would cost the engine loop a wait).
+stages overlap that way). Replies come back in the same order. The engine
+loop's connection (engine/core_loop.py) is a plain two-way stream made with
+`open_listener` / `accept` / `connect`, not a call channel.
 """
 
 from __future__ import annotations
@@ -71,21 +71,10 @@ def connect(address: tuple[str, int], authkey: bytes) -> Connection:
 class ChannelServer:
     """Serves `target.<method>(*args)` for one client. Invariant: at most one
     call runs at a time, on the server thread (`on_thread_start` runs there
-    first, e.g. to size that thread's OpenMP pool). A one-way server that
-    meets a failing call keeps the exception in `error` and hangs up, so the
-    client's next send fails instead of its messages vanishing."""
+    first, e.g. to size that thread's OpenMP pool)."""
 
-    def __init__(
-        self,
-        target: Any,
-        host: str,
-        on_thread_start: Callable[[], None] | None = None,
-        *,
-        one_way: bool = False,
-    ) -> None:
+    def __init__(self, target: Any, host: str, on_thread_start: Callable[[], None] | None = None) -> None:
         self.target = target
-        self.one_way = one_way
-        self.error: BaseException | None = None
         self._listener, self.authkey = open_listener(host)
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._on_thread_start = on_thread_start
@@ -105,14 +94,6 @@ class ChannelServer:
                 method, args = conn.recv()
             except (EOFError, OSError):
                 return
-            if self.one_way:
-                try:
-                    getattr(self.target, method)(*args)
-                except BaseException as e:  # noqa: BLE001 - kept for the owner to report
-                    self.error = e
-                    conn.close()
-                    return
-                continue
             try:
                 reply: tuple[bool, Any] = (True, getattr(self.target, method)(*args))
             except BaseException as e:  # noqa: BLE001 - the client re-raises it
