@@ -3,7 +3,9 @@ pools, prefix caches and the worker groups they drive) and the loop that
 owns it (engine/core_loop.py).
 
 It asks Ray for no CPU (DESIGN principle 8): it computes nothing heavy and
-must fit beside the workers on a small machine.
+must fit beside the workers on a small machine. The exception: at world
+size 1 with one DP rank it runs that worker's model itself (placement.py's
+`scheduler_hosts_worker`), with the worker's resources and bundle.
 """
 
 from __future__ import annotations
@@ -18,11 +20,18 @@ from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import accept, open_listener
 from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
+from rayvllm.executor.placement import scheduler_hosts_worker
+from rayvllm.executor.uniproc import UniProcExecutor
+from rayvllm.kernels.omp_runtime import release_thread_team
+from rayvllm.worker.worker import cpu_threads
 
 
-def _one_thread() -> None:
-    # Scheduling is single-threaded Python; torch threads would only spin.
-    torch.set_num_threads(1)
+def _set_threads(config: EngineConfig | None) -> None:
+    """Torch threads for the calling thread (the setting is per thread):
+    the whole node's share when the model runs here, else one (scheduling
+    is single-threaded Python; more torch threads would only spin)."""
+    hosts_model = config is not None and scheduler_hosts_worker(config.parallel_config)
+    torch.set_num_threads(cpu_threads(1) if hosts_model and config.device == "cpu" else 1)
 
 
 @ray.remote(num_cpus=0)
@@ -33,7 +42,8 @@ class SchedulerActor:
     (and `check_health`, which only asks the workers)."""
 
     def __init__(self) -> None:
-        _one_thread()
+        _set_threads(None)
+        self.config: EngineConfig | None = None
         self.core: EngineCore | None = None
         self._loop_thread: threading.Thread | None = None
         self._listener: Listener | None = None
@@ -41,7 +51,11 @@ class SchedulerActor:
     def start(self, config: EngineConfig, reserved_pg: object = None) -> int:
         """Start every worker group (in `reserved_pg` when Serve reserved
         one with the replica); returns the KV blocks per DP rank."""
-        self.core = EngineCore(config, reserved_pg=reserved_pg)
+        self.config = config
+        _set_threads(config)
+        executors = [UniProcExecutor(config)] if scheduler_hosts_worker(config.parallel_config) else None
+        self.core = EngineCore(config, executors=executors, reserved_pg=reserved_pg)
+        release_thread_team()  # the loop thread steps from here on (omp_runtime.py)
         return config.cache_config.num_blocks
 
     def open_stream(self) -> tuple[tuple[str, int], bytes]:
@@ -56,7 +70,7 @@ class SchedulerActor:
         return listener.address, authkey
 
     def _serve(self) -> None:
-        _one_thread()
+        _set_threads(self.config)
         assert self.core is not None and self._listener is not None
         try:
             conn = accept(self._listener)

@@ -35,3 +35,33 @@ def test_keep_freed_memory_takes_on_glibc() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")
     assert keep_freed_memory() and keep_freed_memory()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's libgomp")
+def test_release_thread_team_frees_the_threads_and_parallel_ops_still_work() -> None:
+    """torch's libgomp is found in this process and frees the calling
+    thread's team (its worker threads end); the next parallel region makes
+    a team again and computes the same result."""
+    import os
+    import threading
+
+    from rayvllm.kernels.omp_runtime import release_thread_team
+
+    x = torch.arange(1 << 18, dtype=torch.float32)
+    before = torch.get_num_threads()
+    results: list[tuple[int, int, bool, float]] = []
+
+    def in_a_fresh_thread() -> None:
+        # A thread of our own, so the team and its threads are this test's.
+        torch.set_num_threads(2)
+        expected = float(x.sum())
+        with_team = len(os.listdir("/proc/self/task"))
+        released = release_thread_team()
+        results.append((with_team, len(os.listdir("/proc/self/task")), released, float(x.sum()) - expected))
+
+    thread = threading.Thread(target=in_a_fresh_thread)
+    thread.start()
+    thread.join()
+    with_team, after_release, released, difference = results[0]
+    assert released and after_release < with_team and difference == 0.0
+    assert torch.get_num_threads() == before

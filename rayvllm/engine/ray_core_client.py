@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
@@ -35,7 +34,7 @@ from rayvllm.engine_types import (
     SchedulerStats,
 )
 from rayvllm.errors import EngineDeadError
-from rayvllm.executor.placement import HOT_PATH_RUNTIME_ENV
+from rayvllm.executor.placement import remove_worker_placement_group, scheduler_actor_options
 from rayvllm.request import EngineCoreRequest
 
 
@@ -61,24 +60,19 @@ class RayEngineCoreClient:
 
     def __init__(self, config: EngineConfig, reserved_pg: Any = None) -> None:
         """`reserved_pg`: the Serve replica's placement group (laid out by
-        `deployment_bundles`): the actor goes in the replica's bundle, the
-        workers in theirs, and Serve removes it all with the replica.
-        Without it the actor runs beside the caller and each worker group
-        makes its own placement group."""
-        ensure_ray_initialized(config.parallel_config)
-        if reserved_pg is not None:
-            strategy: Any = PlacementGroupSchedulingStrategy(reserved_pg, placement_group_bundle_index=0)
-        else:
-            strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self.actor: Any = SchedulerActor.options(
-            scheduling_strategy=strategy,
-            runtime_env=HOT_PATH_RUNTIME_ENV,
-        ).remote()
+        `deployment_bundles`): the actor and the workers go in its bundles,
+        and Serve removes it all with the replica. Without it the engine
+        makes its own groups. At world size 1 with one DP rank the actor
+        runs the model itself (`scheduler_hosts_worker`)."""
+        pc = config.parallel_config
+        ensure_ray_initialized(pc)
+        options, self._pg = scheduler_actor_options(pc, config.device, reserved_pg)
+        self.actor: Any = SchedulerActor.options(**options).remote()
         try:
             config.cache_config.num_blocks = ray.get(self.actor.start.remote(config, reserved_pg))
             self.conn = connect(*ray.get(self.actor.open_stream.remote()))
         except BaseException:
-            ray.kill(self.actor)
+            self._release()
             raise
         self._send_lock = threading.Lock()
         self._sent = 0  # inputs sent so far
@@ -156,5 +150,11 @@ class RayEngineCoreClient:
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
         finally:
-            ray.kill(self.actor)
-            self.actor = None
+            self._release()
+
+    def _release(self) -> None:
+        ray.kill(self.actor)
+        self.actor = None
+        if self._pg is not None:
+            remove_worker_placement_group(self._pg)
+            self._pg = None

@@ -22,6 +22,7 @@ core (``rayvllm.core``, ``rayvllm.engine``, ``rayvllm.worker``).
 from __future__ import annotations
 
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from ray.util.placement_group import (
     placement_group_table,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayvllm.config import ParallelConfig
 from rayvllm.errors import InvalidParameterError, PlacementError
@@ -149,6 +150,36 @@ def create_worker_placement_group(
 def remove_worker_placement_group(pg: PlacementGroup) -> None:
     """Release the group's reservation; actors scheduled into it are killed."""
     remove_placement_group(pg)
+
+
+def scheduler_hosts_worker(parallel_config: ParallelConfig) -> bool:
+    """One DP rank of one worker: its model runs inside the SchedulerActor
+    (as vLLM's EngineCoreProc runs its UniProcExecutor), which saves a
+    process hop and a second process competing for the cores every step."""
+    return parallel_config.world_size == 1 and parallel_config.data_parallel_size == 1
+
+
+def scheduler_actor_options(
+    parallel_config: ParallelConfig, device: str, reserved_pg: PlacementGroup | None
+) -> tuple[dict[str, Any], PlacementGroup | None]:
+    """``SchedulerActor.options(**...)``, and the placement group made for it
+    (None if none was; the caller removes it at shutdown). A scheduler that
+    hosts the worker takes that worker's bundle and resources: bundle 1 of
+    the replica's group laid out by `deployment_bundles`, or a group of its
+    own. Otherwise it asks for no CPU and sits in the replica's bundle, or
+    beside the caller."""
+    if scheduler_hosts_worker(parallel_config):
+        if reserved_pg is not None:
+            placement = reserved_worker_placements(reserved_pg, parallel_config, 0)[0]
+            return rank_actor_options(parallel_config, device, reserved_pg, placement), None
+        name = f"rayvllm-engine-{uuid.uuid4().hex[:8]}"
+        pg, placements = create_worker_placement_group(parallel_config, device, name)
+        return rank_actor_options(parallel_config, device, pg, placements[0]), pg
+    if reserved_pg is not None:
+        strategy: Any = PlacementGroupSchedulingStrategy(reserved_pg, placement_group_bundle_index=0)
+    else:
+        strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return {"scheduling_strategy": strategy, "runtime_env": HOT_PATH_RUNTIME_ENV}, None
 
 
 # Ray starts worker processes at nice 15 so that its own daemons win any

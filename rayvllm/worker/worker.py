@@ -23,6 +23,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_threads(ranks_on_node: int) -> int:
+    """Torch threads for one of `ranks_on_node` ranks sharing a node's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_node))
+
+
 class Worker:
     """Rank `rank` of a group of `tp * pp` ranks (rank = pp_rank * tp + tp_rank).
 
@@ -41,7 +46,7 @@ class Worker:
             pp_rank=rank // pc.tensor_parallel_size,
             pp_size=pc.pipeline_parallel_size,
         )
-        self.num_threads = max(1, (os.cpu_count() or 1) // max(1, ranks_on_node))
+        self.num_threads = cpu_threads(ranks_on_node)
         self.set_threads()
         self.runner: ModelRunner | None = None
 
