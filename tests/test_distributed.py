@@ -171,11 +171,23 @@ def _alive_rayvllm_actors() -> list[str]:
     ]
 
 
-def test_shutdown_leaves_nothing_behind(ray_local: None, models: dict[str, Path]) -> None:
-    llm = LLM(str(models["llama-gqa"]), tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
-    assert sorted(_alive_rayvllm_actors()) == ["SchedulerActor"] + ["WorkerActor"] * 4
+@pytest.mark.parametrize(
+    ("parallel", "actors", "group"),
+    [
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, ["SchedulerActor"] + ["WorkerActor"] * 4,
+         "rayvllm-dp0-"),
+        # World size 1: the SchedulerActor runs the model in a group of its own.
+        ({"distributed_executor_backend": "ray"}, ["SchedulerActor"], "rayvllm-engine-"),
+    ],
+    ids=["tp2-pp2", "world-1"],
+)
+def test_shutdown_leaves_nothing_behind(
+    ray_local: None, models: dict[str, Path], parallel: dict[str, object], actors: list[str], group: str
+) -> None:
+    llm = LLM(str(models["llama-gqa"]), **parallel, **ENGINE)
+    assert sorted(_alive_rayvllm_actors()) == actors
     pgs = [p for p in list_placement_groups() if p.state != "REMOVED"]
-    assert len(pgs) == 1 and pgs[0].name.startswith("rayvllm-dp0-")
+    assert len(pgs) == 1 and pgs[0].name.startswith(group)
     llm.shutdown()
     # The actors (and with their processes, the gloo process groups) are
     # gone; a killed actor's state turns DEAD asynchronously, so poll.

@@ -30,6 +30,7 @@ from rayvllm.executor.placement import (  # noqa: E402
     create_worker_placement_group,
     rank_actor_options,
     remove_worker_placement_group,
+    scheduler_hosts_worker,
     worker_bundles,
 )
 
@@ -88,6 +89,13 @@ def test_worker_bundles_follow_device() -> None:
     config = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3, num_cpus_per_worker=0.5)
     assert worker_bundles(config, "cuda") == [{"GPU": 1.0}] * 6
     assert worker_bundles(config, "cpu") == [{"CPU": 0.5}] * 6
+
+
+def test_the_scheduler_hosts_the_model_only_for_a_single_worker() -> None:
+    assert scheduler_hosts_worker(ParallelConfig())
+    assert not scheduler_hosts_worker(ParallelConfig(tensor_parallel_size=2))
+    assert not scheduler_hosts_worker(ParallelConfig(pipeline_parallel_size=2))
+    assert not scheduler_hosts_worker(ParallelConfig(data_parallel_size=2))
 
 
 def test_assign_ranks_puts_driver_node_first_and_rejects_split_tp() -> None:
