@@ -5,8 +5,11 @@
     serve run serve_config.yaml
 """
 
-from rayvllm.entrypoints.serve_builder import build_app
+from rayvllm.entrypoints.serve_builder import build_app, start_fast_serve_run
 
+# `serve run serve_app:app` on a fresh machine: the replica itself answers
+# :8000 (Serve's direct ingress) and Serve's proxy moves to :8001.
+start_fast_serve_run()
 app = build_app()
 
 __all__ = ["app", "build_app"]

@@ -1,9 +1,12 @@
 """Start and stop a real `serve run` (or `rayvllm serve`) in a subprocess
 for the integration tests. `serve run` of an import path has no port
-option: Ray puts Serve's proxy on :8000, so the tests of the README's own
-commands use that port. Every other port is picked free per test run: with
-`DIRECT_ENV` the replica answers straight on `DIRECT_PORT` (Serve's direct
-ingress), and `rayvllm serve` tests pass free `--port`/`--proxy-port`."""
+option: the app answers on :8000 (the replica itself, Serve's proxy moved
+to :8001, see serve_builder.start_fast_serve_run; a config file puts the
+proxy there), so the tests of the README's own commands use those ports,
+waiting while a previous server's connections still hold them. Every other
+port is picked free per test run: with `DIRECT_ENV` the replica answers
+straight on `DIRECT_PORT`, and `rayvllm serve` tests pass free
+`--port`/`--proxy-port`."""
 
 from __future__ import annotations
 
@@ -17,12 +20,12 @@ from pathlib import Path
 
 import requests
 
-from rayvllm.entrypoints.serve_builder import direct_ingress_env
+from rayvllm.entrypoints.serve_builder import SERVE_RUN_PORT, direct_ingress_env, wait_for_port
 from rayvllm.worker.worker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-PROXY_PORT = 8000
-BASE_URL = f"http://127.0.0.1:{PROXY_PORT}"
+README_PORTS = (SERVE_RUN_PORT, SERVE_RUN_PORT + 1)
+BASE_URL = f"http://127.0.0.1:{SERVE_RUN_PORT}"
 
 
 DIRECT_PORT = free_port()
@@ -36,9 +39,13 @@ class ServeProcess:
     the group is gone, and with it the local Ray cluster `serve run` began."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 base_url: str = BASE_URL, ports: tuple[int, ...] = (PROXY_PORT,)) -> None:
+                 base_url: str = BASE_URL, ports: tuple[int, ...] = README_PORTS) -> None:
         self.base_url = base_url
         self.ports = ports
+        for port in ports:
+            # A replica binds its port without SO_REUSEADDR: a previous
+            # server's lingering connections would fail this one's start.
+            assert wait_for_port(port), f"port {port} is taken by a live server"
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -92,6 +99,30 @@ class ServeProcess:
                 found.append(pid)
         return found
 
+    def listener_pids(self, port: int) -> list[int]:
+        """This server's processes that hold the listening socket of `port`
+        (read from /proc: the socket's inode, then each process's fds)."""
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                rows = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                fields = row.split()
+                # local address "ADDR:PORT" in hex; state 0A is LISTEN
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    inodes.add(f"socket:[{fields[9]}]")
+        found = []
+        for pid in self.descendant_pids(""):
+            try:
+                fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+            except OSError:
+                continue  # ended, or not ours to read
+            if inodes & set(fds):
+                found.append(pid)
+        return found
+
     def log_tail(self, chars: int = 6000) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -130,5 +161,5 @@ def serve_run(args: list[str], log_path: Path, direct: bool = False) -> ServePro
     serve = str(Path(sys.executable).with_name("serve"))
     if direct:
         return ServeProcess([serve, "run", *args], log_path, env=DIRECT_ENV, base_url=DIRECT_URL,
-                            ports=(PROXY_PORT, DIRECT_PORT))
+                            ports=(SERVE_RUN_PORT, DIRECT_PORT))
     return ServeProcess([serve, "run", *args], log_path)

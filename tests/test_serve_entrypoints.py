@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME
+from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, SERVE_RUN_PORT
 
 from serve_harness import BASE_URL, ServeProcess, free_port, serve_run
 
@@ -47,7 +47,20 @@ def _check_demo(proc: ServeProcess) -> None:
 
 
 def test_serve_run_demo_app(tmp_path: Path) -> None:
-    _check_demo(serve_run(["serve_app:app"], tmp_path / "serve.log"))
+    """The README's command takes the fast path: the LLMServer replica
+    itself listens on :8000 (Serve's direct ingress) and the proxy, moved
+    to :8001, serves the same app."""
+    proc = serve_run(["serve_app:app"], tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        replicas = proc.descendant_pids("ray::ServeReplica")
+        assert len(replicas) == 1 and proc.listener_pids(SERVE_RUN_PORT) == replicas, proc.log_tail()
+        proxied = requests.get(f"http://127.0.0.1:{SERVE_RUN_PORT + 1}/v1/models", timeout=60)
+        assert proxied.status_code == 200 and proxied.json()["data"][0]["id"] == DEMO_MODEL_NAME
+    except BaseException:
+        proc.stop()
+        raise
+    _check_demo(proc)
 
 
 def test_serve_run_config_file(tmp_path: Path) -> None:

@@ -8,12 +8,19 @@ own options below. Without `model` the embedded demo model is served.
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
+from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
@@ -24,6 +31,8 @@ from rayvllm.executor.placement import deployment_bundles
 # `serve run <import path>` names its application "default"; the config file does too.
 DEFAULT_APP_NAME = "default"
 DEMO_MODEL_NAME = "rayvllm-demo"
+# The port of `serve run <import path>` (Serve's default; the command has no option for it).
+SERVE_RUN_PORT = 8000
 
 
 def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
@@ -43,6 +52,70 @@ def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
         "RAY_SERVE_DEFAULT_HTTP_HOST": host,
     }
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """`port` can be bound as Serve's direct-ingress replica binds it (without
+    SO_REUSEADDR, which also refuses while a stopped server's connections
+    linger in TCP TIME_WAIT, up to a minute)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_for_port(port: int, host: str = "127.0.0.1", timeout_s: float = 90.0) -> bool:
+    """Wait until `port_free`; False at once if a server listens there, or
+    when `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while not port_free(port, host):
+        with socket.socket() as probe:
+            probe.settimeout(1.0)
+            if probe.connect_ex((host, port)) == 0:
+                return False  # a live server, not lingering connections
+        if time.monotonic() > deadline:
+            return False
+        if not told:
+            print(f"port {port} is still held by a stopped server's connections (TCP TIME_WAIT, up to a "
+                  "minute); waiting for it", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(0.5)  # the kernel frees the port on its own clock
+    return True
+
+
+def start_fast_serve_run(argv: Sequence[str] | None = None, port: int = SERVE_RUN_PORT) -> bool:
+    """Put `serve run <import path> [key=value ...]` on the fast path.
+
+    `serve run` of an import path puts Serve's proxy on :8000, and the
+    replica answers HTTP itself (direct ingress, half the TTFT of the proxy
+    path: docs/BENCHMARKS.md) only on a cluster started with it. But it
+    imports the app before it calls `ray.init`, and then uses the cluster
+    and the Serve instance it finds running. So when this process is that
+    command about to start a local cluster (no options, no RAY_ADDRESS, no
+    cluster running here, no direct-ingress setting of the user's), start
+    both now: the replica answers `port` itself and Serve's proxy moves to
+    `port + 1`. Returns whether it did; otherwise `serve run` goes on as
+    it would (proxy on :8000)."""
+    argv = sys.argv if argv is None else argv
+    if len(argv) < 3 or Path(argv[0]).name != "serve" or argv[1] != "run":
+        return False
+    if any(a.startswith("-") for a in argv[2:]) or Path(argv[2]).is_file():
+        return False  # options, or a config file: `serve run` applies them itself
+    if ray.is_initialized() or any(k.startswith("RAY_SERVE_") and "DIRECT_INGRESS" in k for k in os.environ):
+        return False
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if canonicalize_bootstrap_address(None) is not None:
+        return False  # RAY_ADDRESS, or a cluster from `ray start` that `serve run` would join
+    if not wait_for_port(port):
+        return False  # taken by a live server: `serve run` reports it
+    os.environ.update(direct_ingress_env(port))
+    ray.init(namespace=SERVE_NAMESPACE)
+    serve.start(http_options={"host": "127.0.0.1", "port": port + 1})
+    return True
 
 
 class ServerArgs(BaseModel):
