@@ -79,8 +79,11 @@ def _sampling_params(params: SamplingParams | dict[str, Any] | None) -> Sampling
         # rather than a second one in another thread: every SSE chunk then
         # reaches the socket without a cross-thread hop. With direct ingress
         # this took saturated throughput from ~720-760 to ~790 tok/s on the
-        # 2-core box (docs/BENCHMARKS.md).
-        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+        # 2-core box (docs/BENCHMARKS.md). And run at nice 0, like the engine
+        # actors (Ray starts workers at 15): at 15 the replica's event loop
+        # waited behind the forward's threads for every admission and every
+        # SSE chunk (p50 TTFT 67 -> 25 ms at 2 requests/s, docs/BENCHMARKS.md).
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_worker_niceness": "0"}},
     },
     # Each request is a long-lived coroutine; admission is the engine's
     # call (max_pending_requests), not a small Serve default.
