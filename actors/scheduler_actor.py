@@ -22,7 +22,6 @@ from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.executor.placement import scheduler_hosts_worker
 from rayvllm.executor.uniproc import UniProcExecutor
-from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.worker.worker import cpu_threads
 
 
@@ -55,7 +54,6 @@ class SchedulerActor:
         _set_threads(config)
         executors = [UniProcExecutor(config)] if scheduler_hosts_worker(config.parallel_config) else None
         self.core = EngineCore(config, executors=executors, reserved_pg=reserved_pg)
-        release_thread_team()  # the loop thread steps from here on (omp_runtime.py)
         return config.cache_config.num_blocks
 
     def open_stream(self) -> tuple[tuple[str, int], bytes]:

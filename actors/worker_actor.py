@@ -8,7 +8,6 @@ import ray
 
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import ChannelServer
-from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.worker.worker import Worker, free_port
 
 
@@ -38,7 +37,6 @@ class WorkerActor:
         self.channel = ChannelServer(
             self.worker, ray.util.get_node_ip_address(), on_thread_start=self.worker.set_threads
         )
-        release_thread_team()  # steps run on the channel's thread (omp_runtime.py)
         return self.channel.address, self.channel.authkey
 
     def shutdown(self) -> None:

@@ -33,8 +33,8 @@ def _libgomp() -> ctypes.CDLL | None:
 
 def release_thread_team() -> bool:
     """Free the OpenMP threads of the calling thread's team (they are made
-    again if this thread runs a parallel region later). Call it on the
-    thread that loaded the model once the steps run on another. Returns
+    again if this thread runs a parallel region later). ModelRunner calls
+    it at the end of setup, on the thread that loaded the model. Returns
     whether the runtime did it (False: no libgomp here, or inside a region)."""
     lib = _libgomp()
     return lib is not None and lib.omp_pause_resource_all(_OMP_PAUSE_HARD) == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import requests
 
-from rayvllm.entrypoints.serve_builder import SERVE_RUN_PORT, direct_ingress_env, wait_for_port
+from rayvllm.entrypoints.serve_builder import SERVE_RUN_PORT, direct_ingress_env, port_listening, wait_for_port
 from rayvllm.worker.worker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -145,15 +144,9 @@ class ServeProcess:
         self._log.close()
         deadline = time.monotonic() + 60
         for port in self.ports:
-            while _port_open(port):
+            while port_listening(port):
                 assert time.monotonic() < deadline, f"port {port} still served after the server stopped"
                 time.sleep(0.5)  # waiting for another process's socket to close
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def serve_run(args: list[str], log_path: Path, direct: bool = False) -> ServeProcess:

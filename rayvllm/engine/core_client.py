@@ -18,7 +18,6 @@ from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.llm_engine import make_engine_core
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.request import EngineCoreRequest
 
 
@@ -48,9 +47,6 @@ class InprocClient:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.intake = RequestIntake()
-        # The core was built on this thread; `step` runs on the engine
-        # loop's step thread (kernels/omp_runtime.py says why this matters).
-        release_thread_team()
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self.intake.add_requests(list(requests))

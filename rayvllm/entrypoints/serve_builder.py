@@ -66,16 +66,21 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def port_listening(port: int, host: str = "127.0.0.1") -> bool:
+    """A server accepts connections on `port`."""
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((host, port)) == 0
+
+
 def wait_for_port(port: int, host: str = "127.0.0.1", timeout_s: float = 90.0) -> bool:
     """Wait until `port_free`; False at once if a server listens there, or
     when `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     told = False
     while not port_free(port, host):
-        with socket.socket() as probe:
-            probe.settimeout(1.0)
-            if probe.connect_ex((host, port)) == 0:
-                return False  # a live server, not lingering connections
+        if port_listening(port, host):
+            return False  # a live server, not lingering connections
         if time.monotonic() > deadline:
             return False
         if not told:
@@ -90,8 +95,8 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int = SERVE_RU
     """Put `serve run <import path> [key=value ...]` on the fast path.
 
     `serve run` of an import path puts Serve's proxy on :8000, and the
-    replica answers HTTP itself (direct ingress, half the TTFT of the proxy
-    path: docs/BENCHMARKS.md) only on a cluster started with it. But it
+    replica answers HTTP itself (direct ingress, a fraction of the proxy
+    path's TTFT: docs/BENCHMARKS.md) only on a cluster started with it. But it
     imports the app before it calls `ray.init`, and then uses the cluster
     and the Serve instance it finds running. So when this process is that
     command about to start a local cluster (no options, no RAY_ADDRESS, no

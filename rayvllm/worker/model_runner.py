@@ -30,6 +30,7 @@ from rayvllm.engine_types import LogprobsLists, ModelRunnerOutput
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
+from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
@@ -140,10 +141,15 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's caches in the backend's layout, then (on
         CUDA, unless `enforce_eager`) capture the decode graphs, which need
-        the caches' final addresses."""
+        the caches' final addresses. The last step of setup, so it frees
+        this thread's OpenMP team: steps often run on another thread (an
+        actor's channel or loop thread, the serving step thread), and two
+        live teams slow every parallel region (kernels/omp_runtime.py); a
+        thread that goes on to step simply makes its team again."""
         self.kv_caches = self._bind_kv_caches(num_blocks)
         if self._cuda_graphs_enabled():
             self._capture_cuda_graphs()
+        release_thread_team()
 
     def _bind_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert self.model is not None
