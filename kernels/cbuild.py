@@ -2,10 +2,10 @@
 
 Each source is compiled with the system C compiler, for one instruction-set
 variant (kernels/cpu_isa.py), into the rayvllm cache directory, and loaded
-with ctypes, whose calls release the GIL. The cache key covers the source,
-the flags, the compiler and the CPU (model and feature flags), so an edit
-or a new compiler rebuilds, and a home directory shared by different CPUs
-never loads a library built for another. Without a compiler the callers
+with ctypes, whose calls release the GIL. The cache key covers the source
+and the headers beside it, the flags, the compiler and the CPU (model and
+feature flags), so an edit or a new compiler rebuilds, and a home directory
+shared by different CPUs never loads a library built for another. Without a compiler the callers
 fall back to torch; `RAYVLLM_CPU_KERNELS=torch` forces that.
 """
 
@@ -60,7 +60,8 @@ def build_library(source_name: str, extra_flags: list[str], isa: str) -> Path | 
     source = _HERE / source_name
     flags = BASE_FLAGS + ISA_FLAGS[isa] + extra_flags
     info = cpu_info()
-    key = [source.read_bytes(), " ".join(flags).encode(), _compiler_id(compiler).encode(),
+    headers = [h.read_bytes() for h in sorted(_HERE.glob("*.h"))]
+    key = [source.read_bytes(), *headers, " ".join(flags).encode(), _compiler_id(compiler).encode(),
            info.model.encode(), " ".join(sorted(info.flags)).encode()]
     digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}_{isa}_{digest}.so"

@@ -5,12 +5,15 @@
  *   add_rms_norm:  residual += x (optional), out = weight * rmsnorm(residual)
  *   rope_and_cache: rotate q and k (neox layout), write k and v to their
  *                   paged-cache slots (slot -1 skipped), q and k out
+ *   silu_and_mul:   out = silu(gate) * up for rows of [gate | up]
  *
  * Rows are independent, so work is split over threads by row ranges.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "csrc_vec_math.h"
 
 typedef void (*row_fn)(void *ctx, int64_t begin, int64_t end);
 
@@ -114,5 +117,29 @@ int rope_and_cache_f32(const float *q, const float *k, const float *v, int64_t q
     rope_ctx c = {q, k, v, q_stride, k_stride, v_stride, positions, cos, sin, slots,
                   key_cache, value_cache, q_out, k_out, H, KVH, D, bs};
     parallel_rows(rope_rows, &c, T, num_threads);
+    return 0;
+}
+
+/* ---- silu_and_mul --------------------------------------------------------- */
+
+typedef struct {
+    const float *x; /* [rows, 2n]: gate then up */
+    float *out;     /* [rows, n] */
+    int64_t n;
+} act_ctx;
+
+static void silu_mul_rows(void *arg, int64_t begin, int64_t end) {
+    act_ctx *c = (act_ctx *)arg;
+    const int64_t n = c->n;
+    for (int64_t r = begin; r < end; r++) {
+        const float *__restrict g = c->x + r * 2 * n, *__restrict u = g + n;
+        float *__restrict o = c->out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+int silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int num_threads) {
+    act_ctx c = {x, out, n};
+    parallel_rows(silu_mul_rows, &c, rows, num_threads);
     return 0;
 }

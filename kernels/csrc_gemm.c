@@ -18,15 +18,18 @@
  * Threads split the column tiles.
  *
  * The register blocking follows the ISA the file is compiled for (the
- * variants of kernels/cpu_isa.py), so that the accumulators, two weight
- * vectors and one broadcast always fit the register file:
- *   AVX-512: 16-float vectors, TILE 32, 12 rows: 24 of 32 zmm
- *   AVX2:     8-float vectors, TILE 16,  6 rows: 12 of 16 ymm
- *   baseline: 4-float vectors, TILE 8,   6 rows: 12 of 16 xmm (SSE2; NEON has 32)
- * The AVX-512 blocking built for AVX2 needs 48 ymm accumulators and spills
- * in the inner loop (issue 14 measured it 10-50x slower). The packed layout
- * depends on TILE, so callers ask `gemm_tile_cols()` of the library they
- * pack for.
+ * variants of kernels/cpu_isa.py), so that the accumulators, the NV weight
+ * vectors of a tile row and one broadcast always fit the register file:
+ *   AVX-512: 16-float vectors, TILE 48 (3 vectors), 8 rows: 24 + 3 of 32 zmm
+ *   AVX2:     8-float vectors, TILE 16 (2 vectors), 6 rows: 12 + 2 of 16 ymm
+ *   baseline: 4-float vectors, TILE 8  (2 vectors), 6 rows: 12 + 2 of 16 xmm
+ *             (SSE2; NEON has 32)
+ * On AVX-512, 8 x 3 needs 11 loads per 24 FMAs where 12 x 2 needed 14, and
+ * ran 5-10% faster with the tile in cache; on AVX2, 4 x 3 and 3 x 4 ran
+ * behind 6 x 2 (docs/BENCHMARKS.md). The AVX-512 blocking built for AVX2
+ * spills its accumulators in the inner loop (issue 14 measured it 10-50x
+ * slower). The packed layout depends on TILE, so callers ask
+ * `gemm_tile_cols()` of the library they pack for.
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -34,15 +37,18 @@
 
 #if defined(__AVX512F__)
 #define VEC 16
-#define ROWS 12
+#define ROWS 8
+#define NV 3
 #elif defined(__AVX2__)
 #define VEC 8
 #define ROWS 6
+#define NV 2
 #else
 #define VEC 4
 #define ROWS 6
+#define NV 2
 #endif
-#define TILE (2 * VEC)
+#define TILE (NV * VEC)
 #define ROW_CHUNK (16 * ROWS)
 /* Weight-tile rows fetched ahead (2 KiB); hardware prefetch alone left the
  * 16-row LM head product 20% slower on AVX-512. */
@@ -74,12 +80,10 @@ void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k) {
 static inline __attribute__((always_inline)) void tile_block(
     const float *x, int64_t ldx, const float *wt, float *out, int64_t ldo, int64_t k, int rows,
     const float *pf, int64_t pf_lines) {
-    vf lo[ROWS], hi[ROWS];
+    vf acc[ROWS][NV];
 #pragma GCC unroll 12
-    for (int r = 0; r < rows; r++) {
-        lo[r] = (vf){0};
-        hi[r] = (vf){0};
-    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = (vf){0};
     int64_t due = 0, line = 0;
     for (int64_t i = 0; i < k; i++) {
         /* One prefetch per 64-byte line of the tile row (a constant trip count). */
@@ -90,20 +94,17 @@ static inline __attribute__((always_inline)) void tile_block(
             __builtin_prefetch(pf + line * 16, 0, 2);
             line++;
         }
-        vf wlo = *(const vf *)(wt + i * TILE);
-        vf whi = *(const vf *)(wt + i * TILE + VEC);
+        vf w[NV];
+        for (int v = 0; v < NV; v++) w[v] = *(const vf *)(wt + i * TILE + v * VEC);
 #pragma GCC unroll 12
         for (int r = 0; r < rows; r++) {
             float xv = x[r * ldx + i];
-            lo[r] += wlo * xv;
-            hi[r] += whi * xv;
+            for (int v = 0; v < NV; v++) acc[r][v] += w[v] * xv;
         }
     }
 #pragma GCC unroll 12
-    for (int r = 0; r < rows; r++) {
-        *(vf *)(out + r * ldo) = lo[r];
-        *(vf *)(out + r * ldo + VEC) = hi[r];
-    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < NV; v++) *(vf *)(out + r * ldo + v * VEC) = acc[r][v];
 }
 
 /* All m rows against one tile. `next` (or NULL): the tile to fetch ahead,
@@ -121,10 +122,6 @@ static void tile_rows(const float *x, int64_t ldx, const float *wt, float *out, 
     /* `rows` must be a literal for the accumulators to stay in registers. */
     switch (m - r) {
 #if ROWS > 6
-        case 11: tile_block(xr, ldx, wt, o, ldo, k, 11, PF_ARGS); break;
-        case 10: tile_block(xr, ldx, wt, o, ldo, k, 10, PF_ARGS); break;
-        case 9: tile_block(xr, ldx, wt, o, ldo, k, 9, PF_ARGS); break;
-        case 8: tile_block(xr, ldx, wt, o, ldo, k, 8, PF_ARGS); break;
         case 7: tile_block(xr, ldx, wt, o, ldo, k, 7, PF_ARGS); break;
         case 6: tile_block(xr, ldx, wt, o, ldo, k, 6, PF_ARGS); break;
 #endif

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "csrc_vec_math.h"
+
 typedef struct {
     const float *q;
     float *out;
@@ -32,25 +34,6 @@ typedef struct {
     int64_t t_begin, t_end;
     int64_t max_ctx;
 } job_t;
-
-/* exp for x <= 0, branch-free so the softmax loop vectorises (glibc's expf is
- * a scalar call, ~20 ns, a fifth of the kernel's time). Cephes' range
- * reduction and polynomial: within 1e-6 relative of exp on [-30, 0]; below -87.3 it returns 0. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return x <= -87.3f ? 0.0f : p * scale.f;
-}
 
 /* Each of `heads` rows of `scores` (stride `stride`): soft-max of its first
  * `ctx` entries in place, max-subtracted. */
@@ -149,9 +132,9 @@ typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
  * queries q [gh][D], scores s [gh][stride]. With `shared` the heads are one
  * KV group and all read the keys kh [D][16]; without it (no GQA) head g
  * reads its own keys at kh + g * D * 16. `gh` and `shared` are literals. */
-static inline __attribute__((always_inline)) void block_scores(const float *kh, const float *q, int64_t D,
-                                                               float *s, int64_t stride, float scale, int gh,
-                                                               int shared) {
+static inline __attribute__((always_inline)) void block_scores(const float *kh, const float *next, const float *q,
+                                                               int64_t D, float *s, int64_t stride, float scale,
+                                                               int gh, int shared) {
     vf acc[P1_HEADS][ROW_VECS][P1_PARTS];
     for (int g = 0; g < gh; g++)
         for (int v = 0; v < ROW_VECS; v++)
@@ -160,6 +143,7 @@ static inline __attribute__((always_inline)) void block_scores(const float *kh, 
         for (int p = 0; p < P1_PARTS; p++) {
             vf k[ROW_VECS];
             for (int v = 0; v < ROW_VECS; v++) k[v] = *(const vf *)(kh + (d + p) * 16 + v * VEC);
+            for (int g = 0; g < (shared ? 1 : gh); g++) __builtin_prefetch(next + g * D * 16 + (d + p) * 16, 0, 3);
             for (int g = 0; g < gh; g++) {
                 const float qv = q[g * D + d + p];
                 for (int v = 0; v < ROW_VECS; v++) {
@@ -192,7 +176,10 @@ static inline __attribute__((always_inline)) void block_values(const job_t *j, c
     for (int64_t b = 0; b * 16 < ctx; b++) {
         const int64_t n = ctx - b * 16 < 16 ? ctx - b * 16 : 16;
         const float *vb = j->vc + bt[b] * 16 * row + voff;
+        const float *next = (b + 1) * 16 < ctx ? j->vc + bt[b + 1] * 16 * row + voff : vb;
         for (int64_t i = 0; i < n; i++) {
+            for (int g = 0; g < (shared ? 1 : gh); g++)
+                for (int c = 0; c < nv; c++) __builtin_prefetch(next + i * row + g * j->D + c * VEC, 0, 3);
             vf v[P2_VECS];
             for (int c = 0; c < nv; c++) v[c] = *(const vf *)(vb + i * row + c * VEC);
             for (int g = 0; g < gh; g++) {
@@ -223,13 +210,14 @@ static void run_bs16(job_t *j) {
         const float *qt = j->q + t * H * D;
         for (int64_t b = 0; b * 16 < ctx; b++) {
             const float *kb = j->kc + bt[b] * KVH * D * 16;
+            const float *kn = (b + 1) * 16 < ctx ? j->kc + bt[b + 1] * KVH * D * 16 : kb;
             for (int64_t h = 0; h < H;) {
                 const int64_t left = span - h % span;
                 const int gh = (int)(left < P1_HEADS ? left : P1_HEADS);
-                const float *kh = kb + (h / G) * D * 16, *qh = qt + h * D;
+                const float *kh = kb + (h / G) * D * 16, *qh = qt + h * D, *nh = kn + (h / G) * D * 16;
                 float *s = scores + h * stride + b * 16;
-#define SCORES(GH) shared ? block_scores(kh, qh, D, s, stride, j->scale, GH, 1) \
-                          : block_scores(kh, qh, D, s, stride, j->scale, GH, 0)
+#define SCORES(GH) shared ? block_scores(kh, nh, qh, D, s, stride, j->scale, GH, 1) \
+                          : block_scores(kh, nh, qh, D, s, stride, j->scale, GH, 0)
                 switch (gh) {
                     case 1: SCORES(1); break;
 #if P1_HEADS > 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.cpu_isa import ISAS, cpu_info
@@ -167,6 +168,23 @@ def test_fused_add_rms_norm_matches_torch(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_silu_and_mul_matches_torch(isa: str) -> None:
+    from rayvllm.kernels import cpu_ops
+
+    _require(isa, cpu_ops.available)
+    gen = torch.Generator().manual_seed(5)
+    # 37 rows: one thread and a ragged vector tail; extremes: exp's clamp and both signs.
+    gate_up = torch.randn(37, 2 * 83, generator=gen) * 8
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])
+    gate, up = gate_up.split(83, dim=-1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up, isa=isa), expected, atol=1e-6, rtol=2e-6)
+    rows = torch.randn(300, 2 * 64, generator=gen)  # several threads
+    gate, up = rows.split(64, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(rows, isa=isa), F.silu(gate) * up, atol=1e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 2, 32), (6, 6, 48)])
 def test_fused_rope_and_cache_matches_torch(isa: str, heads: int, kv_heads: int, head_size: int) -> None:
     from rayvllm.kernels import cpu_ops
@@ -214,7 +232,7 @@ def test_packed_gemm_matches_float64(isa: str, m: int, n: int, k: int) -> None:
     weight = torch.randn(n, k, generator=gen)
     x = torch.randn(m, k, generator=gen)
     tile = cpu_gemm.tile_cols(isa)
-    assert tile == {"avx512": 32, "avx2": 16, "portable": 8}[isa]
+    assert tile == {"avx512": 48, "avx2": 16, "portable": 8}[isa]
     packed = cpu_gemm.pack_weight(weight, isa)
     assert packed.shape == (-(-n // tile), k, tile)
     got = cpu_gemm.gemm(x, packed, n, isa)

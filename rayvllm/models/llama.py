@@ -128,9 +128,13 @@ class LlamaMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, ctx)
+        self.use_c_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_c_kernel:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -204,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         backend allows it (`fused_kv_write`), RoPE + KV write."""
         gemm_select.plan_modules([m for m in self.modules() if isinstance(m, (Linear, ParallelLMHead))], use_c_kernels)
         for module in self.modules():
-            if use_c_kernels and isinstance(module, RMSNorm):
+            if use_c_kernels and isinstance(module, (RMSNorm, LlamaMLP)):
                 module.use_c_kernel = True
             elif use_c_kernels and fused_kv_write and isinstance(module, LlamaAttention):
                 module.use_c_kernels = True
