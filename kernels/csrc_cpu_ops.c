@@ -16,13 +16,18 @@
 #include "csrc_vec_math.h"
 
 typedef void (*row_fn)(void *ctx, int64_t begin, int64_t end);
+/* 16 floats; aligned(4) so loads need no vector alignment. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
-/* Below this many rows a thread costs more than it saves. */
-#define MIN_ROWS_PER_THREAD 16
+/* Below this many floats of work a thread costs more than it saves: waking
+ * and joining the second thread takes microseconds, and far more when the
+ * other core is busy with another process (a Ray actor's neighbours). */
+#define MIN_FLOATS_PER_THREAD 16384
 
 /* OpenMP, linked by soname so that it shares torch's libgomp thread pool. */
-static void parallel_rows(row_fn fn, void *ctx, int64_t rows, int num_threads) {
-    if (num_threads > rows / MIN_ROWS_PER_THREAD) num_threads = (int)(rows / MIN_ROWS_PER_THREAD);
+static void parallel_rows(row_fn fn, void *ctx, int64_t rows, int64_t row_floats, int num_threads) {
+    const int64_t most = rows * row_floats / MIN_FLOATS_PER_THREAD;
+    if (num_threads > most) num_threads = (int)most;
     if (num_threads < 2) {
         fn(ctx, 0, rows);
         return;
@@ -42,6 +47,24 @@ typedef struct {
     float eps;
 } norm_ctx;
 
+/* Sixteen-lane partial sums in two chains: a single running sum is one
+ * dependent add per element, which left the norm latency-bound (it cannot
+ * vectorise without reassociation, which -ffp-contract=off files keep off). */
+static float sum_squares(const float *x, int64_t n) {
+    v16 a0 = {0}, a1 = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const v16 u = *(const v16 *)(x + i), w = *(const v16 *)(x + i + 16);
+        a0 += u * u;
+        a1 += w * w;
+    }
+    const v16 a = a0 + a1;
+    float ss = 0.f;
+    for (int l = 0; l < 16; l++) ss += a[l];
+    for (; i < n; i++) ss += x[i] * x[i];
+    return ss;
+}
+
 static void norm_rows(void *arg, int64_t begin, int64_t end) {
     norm_ctx *c = (norm_ctx *)arg;
     const int64_t n = c->hidden;
@@ -54,9 +77,7 @@ static void norm_rows(void *arg, int64_t begin, int64_t end) {
             for (int64_t i = 0; i < n; i++) res[i] += x[i];
             src = res;
         }
-        float ss = 0.f;
-        for (int64_t i = 0; i < n; i++) ss += src[i] * src[i];
-        const float inv = 1.0f / sqrtf(ss / (float)n + c->eps);
+        const float inv = 1.0f / sqrtf(sum_squares(src, n) / (float)n + c->eps);
         for (int64_t i = 0; i < n; i++) o[i] = c->weight[i] * (src[i] * inv);
     }
 }
@@ -64,7 +85,7 @@ static void norm_rows(void *arg, int64_t begin, int64_t end) {
 int add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
                      int64_t hidden, float eps, int num_threads) {
     norm_ctx c = {x, residual, weight, out, hidden, eps};
-    parallel_rows(norm_rows, &c, rows, num_threads);
+    parallel_rows(norm_rows, &c, rows, hidden, num_threads);
     return 0;
 }
 
@@ -116,7 +137,7 @@ int rope_and_cache_f32(const float *q, const float *k, const float *v, int64_t q
                        int64_t KVH, int64_t D, int64_t bs, int num_threads) {
     rope_ctx c = {q, k, v, q_stride, k_stride, v_stride, positions, cos, sin, slots,
                   key_cache, value_cache, q_out, k_out, H, KVH, D, bs};
-    parallel_rows(rope_rows, &c, T, num_threads);
+    parallel_rows(rope_rows, &c, T, (H + KVH) * D, num_threads);
     return 0;
 }
 
@@ -140,6 +161,6 @@ static void silu_mul_rows(void *arg, int64_t begin, int64_t end) {
 
 int silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int num_threads) {
     act_ctx c = {x, out, n};
-    parallel_rows(silu_mul_rows, &c, rows, num_threads);
+    parallel_rows(silu_mul_rows, &c, rows, n, num_threads);
     return 0;
 }

@@ -140,7 +140,8 @@ def test_reshape_and_cache_skips_negative_slots() -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_fused_add_rms_norm_matches_torch(isa: str) -> None:
+@pytest.mark.parametrize("rows", [37, 700])  # one thread; enough work for two
+def test_fused_add_rms_norm_matches_torch(isa: str, rows: int) -> None:
     from rayvllm.kernels import cpu_ops
     from rayvllm.layers.layernorm import RMSNorm
 
@@ -149,8 +150,8 @@ def test_fused_add_rms_norm_matches_torch(isa: str) -> None:
     norm = RMSNorm(96, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(96, generator=gen))
-    x = torch.randn(37, 96, generator=gen)
-    residual = torch.randn(37, 96, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    residual = torch.randn(rows, 96, generator=gen)
     expected, expected_res = norm.forward_with_residual(x, residual.clone())
     expected_plain = norm(x)
     got_res = residual.clone()
@@ -179,7 +180,7 @@ def test_silu_and_mul_matches_torch(isa: str) -> None:
     gate, up = gate_up.split(83, dim=-1)
     expected = F.silu(gate) * up
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up, isa=isa), expected, atol=1e-6, rtol=2e-6)
-    rows = torch.randn(300, 2 * 64, generator=gen)  # several threads
+    rows = torch.randn(600, 2 * 64, generator=gen)  # enough work for two threads
     gate, up = rows.split(64, dim=-1)
     torch.testing.assert_close(cpu_ops.silu_and_mul(rows, isa=isa), F.silu(gate) * up, atol=1e-6, rtol=2e-6)
 
