@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, Required, TypeAlias, TypedDi
 from rayvllm.config import ModelConfig
 from rayvllm.errors import InvalidParameterError, PromptTooLongError
 from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.sampling_params import SEED_MIN, SamplingParams
 from rayvllm.tokenizer import get_eos_token_ids
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     """Split a request with `n > 1` into n engine-core requests with `n == 1`.
 
     Child i gets id `f"{i}_{request_id}"` and, when the parent is seeded, seed
-    `seed + i`: children sample differently, yet rerunning the same request
+    `seed + i` (wrapped into the signed 64-bit range): children sample differently, yet rerunning the same request
     reproduces every child, and child 0 matches the same request with n=1.
     Unseeded children share one params object (nothing in it differs).
     `parent_request_id` lets the scheduler hold siblings back until the first
@@ -99,7 +99,7 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
                 shared = params.clone(n=1)
             child_params = shared
         else:
-            child_params = params.clone(n=1, seed=params.seed + index)
+            child_params = params.clone(n=1, seed=(params.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
         children.append(
             replace(
                 request,
@@ -128,10 +128,21 @@ class Processor:
         tokenizer: "PreTrainedTokenizerBase",
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         eos_token_ids: Sequence[int] | None = None,
+        max_n: int | None = None,
     ) -> None:
         """`max_logprobs`: cap on logprobs/prompt_logprobs (-1: the vocab size).
-        `eos_token_ids`: override of what `get_eos_token_ids` finds, primary first."""
+        `eos_token_ids`: override of what `get_eos_token_ids` finds, primary first.
+        `max_n`: cap on a request's `n` (the engines pass `max_num_seqs`:
+        more sequences than one step can run only queue, and each costs a
+        request in the engine); None for no cap."""
         self.model_config = model_config
+        self.max_n = max_n
+        # No token of this vocabulary covers more characters than its longest
+        # entry (byte-level entries have one character per byte), so a text
+        # longer than this many characters cannot fit max_model_len tokens:
+        # it is refused before the tokenizer walks megabytes of it.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = model_config.max_model_len * max(longest, 1)
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
@@ -195,6 +206,12 @@ class Processor:
             assert text is not None
             if not text:
                 raise InvalidParameterError("prompt", "must not be empty")
+            if len(text) > self.max_prompt_chars:
+                raise InvalidParameterError(
+                    "prompt",
+                    f"the prompt has {len(text)} characters, more than max_model_len={self.max_model_len} "
+                    "tokens can hold",
+                )
             ids = self.tokenize(text, add_special_tokens=add_special_tokens)
             if not ids:
                 raise InvalidParameterError("prompt", "tokenizes to no tokens")
@@ -329,6 +346,8 @@ class Processor:
                 raise InvalidParameterError(name, f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        if self.max_n is not None and params.n > self.max_n:
+            raise InvalidParameterError("n", f"must be <= {self.max_n} (max_num_seqs), got {params.n}")
         room = self.max_model_len - prompt_len
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidParameterError(

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from rayvllm.errors import InvalidParameterError
 
 _GREEDY_EPS = 1e-5
+# Seeds are signed 64-bit integers, as OpenAI's API types them.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Per-request caps on what the engine holds and checks every step for a
+# request: each stop string is searched in every new piece of text, each
+# logit_bias entry and stop token id is applied or compared per step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -14,7 +32,9 @@ class SamplingParams:
     """How to sample one request.
 
     Invariants after construction: `stop` and `stop_token_ids` are lists;
-    `top_k == 0` means no top-k (vLLM's -1 is accepted and normalised to 0);
+    every float is finite and every integer within the range the engine can
+    hold (a seed fits in 64 bits), so no value of one request can make a
+    step fail; `top_k == 0` means no top-k (vLLM's -1 is accepted and normalised to 0);
     `temperature < 1e-5` means greedy, for which top_p/top_k/min_p are reset
     to their no-op values. `max_tokens=None` means "up to max_model_len".
     """
@@ -53,7 +73,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _logit_bias(self.logit_bias)
         self._verify()
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
@@ -68,8 +88,19 @@ class SamplingParams:
         def bad(name: str, msg: str) -> InvalidParameterError:
             return InvalidParameterError(name, msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, f"must be an integer, got {getattr(self, name)!r}")
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise bad(name, f"must be an integer, got {value!r}")
+        if self.n < 1:
+            raise bad("n", f"must be >= 1, got {self.n}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -80,30 +111,37 @@ class SamplingParams:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise bad("seed", f"must be a signed 64-bit integer, got {self.seed}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
-            raise bad("prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise bad(name, f"must be >= 0, got {value}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logit_bias is not None and any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
-            raise bad("logit_bias", "values must be in [-100, 100]")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+            if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -119,3 +157,20 @@ class SamplingParams:
 
     def clone(self, **changes: object) -> "SamplingParams":
         return replace(self, **changes)
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """`{token id: bias}` from a mapping whose keys may be decimal strings
+    (JSON object keys always are)."""
+    if not isinstance(bias, dict):
+        raise InvalidParameterError("logit_bias", f"must be a mapping of token ids to numbers, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = key if _is_int(key) else int(str(key), 10)
+        except ValueError:
+            raise InvalidParameterError("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if not _is_number(value):
+            raise InvalidParameterError("logit_bias", f"values must be numbers, got {value!r}")
+        out[token_id] = float(value)
+    return out

@@ -86,7 +86,10 @@ class AsyncLLM:
         self.model_config = config.model_config
         self.served_model_name = config.model_config.served_model_name or config.model_config.model
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
-        self.processor = Processor(config.model_config, self.tokenizer, max_logprobs=config.max_logprobs)
+        self.processor = Processor(
+            config.model_config, self.tokenizer, max_logprobs=config.max_logprobs,
+            max_n=config.scheduler_config.max_num_seqs,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
         self.max_pending_requests = max_pending_requests

@@ -36,7 +36,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
-        self.processor = Processor(config.model_config, self.tokenizer, max_logprobs=config.max_logprobs)
+        self.processor = Processor(
+            config.model_config, self.tokenizer, max_logprobs=config.max_logprobs,
+            max_n=config.scheduler_config.max_num_seqs,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_engine_core(config)
 

@@ -237,17 +237,6 @@ class _GenerationRequest(OpenAIBaseModel):
     def translate_error(self, exc: InvalidParameterError) -> InvalidParameterError:
         return with_param(exc, self.openai_param(exc.param))
 
-    def _logit_bias(self) -> dict[int, float] | None:
-        if self.logit_bias is None:
-            return None
-        bias: dict[int, float] = {}
-        for key, value in self.logit_bias.items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise InvalidParameterError("logit_bias", f"keys must be token ids, got {key!r}") from None
-        return bias
-
     def _common_sampling_kwargs(self) -> dict[str, Any]:
         values: dict[str, Any] = {
             "n": self.n,
@@ -257,7 +246,7 @@ class _GenerationRequest(OpenAIBaseModel):
             "top_p": self.top_p,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "logit_bias": self._logit_bias(),
+            "logit_bias": self.logit_bias,
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
