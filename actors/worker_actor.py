@@ -19,6 +19,12 @@ class WorkerActor:
     def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int) -> None:
         self.worker = Worker(config, rank, ranks_on_node)
         self.channel: ChannelServer | None = None
+        self.rank = rank
+
+    def __repr__(self) -> str:
+        # Ray shows this as the actor's name in `ray list actors`, the
+        # dashboard and its log lines: which rank a process is.
+        return f"WorkerActor(rank={self.rank})"
 
     def node(self) -> tuple[str, str]:
         ctx = ray.get_runtime_context()

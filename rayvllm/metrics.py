@@ -173,6 +173,9 @@ class EngineMetrics:
             "rayvllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."
         )
         self._preemptions = counter("rayvllm:num_preemptions", "Requests preempted.")
+        self._restarts = counter(
+            "rayvllm:engine_restarts", "Engine cores replaced after a failure, their requests resumed."
+        )
         success = Counter(
             "rayvllm:request_success",
             "Finished requests, by finish reason.",
@@ -239,6 +242,10 @@ class EngineMetrics:
             self._tpot.observe((m.last_token_time - m.first_token_time) / intervals)
 
     # ------------------------------------------------------------- per step
+
+    def record_restart(self) -> None:
+        """One failed engine core replaced by a new one."""
+        self._restarts.inc()
 
     def record_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         """Add one engine step's prompt tokens computed and tokens generated.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rayvllm.detokenizer import RequestDetokenizer
@@ -89,6 +89,7 @@ class _SequenceState:
     request_id: str
     index: int
     group: "_RequestGroup"
+    core_request: EngineCoreRequest
     detokenizer: RequestDetokenizer
     num_logprobs: int | None
     num_prompt_logprobs: int | None
@@ -102,6 +103,8 @@ class _SequenceState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     sent_prompt_logprobs: int = 0
+    # Prompt logprob rows a resumed request's new core reports again.
+    prompt_rows_to_skip: int = 0
 
     @property
     def finished(self) -> bool:
@@ -119,6 +122,9 @@ class _SequenceState:
         if self.prompt_logprobs is None or self.num_prompt_logprobs is None:
             return
         for ids, lps, rank in zip(rows.logprob_token_ids, rows.logprobs, rows.ranks):
+            if self.prompt_rows_to_skip:
+                self.prompt_rows_to_skip -= 1
+                continue
             self.prompt_logprobs.append(_logprob_dict(ids, lps, rank, self.num_prompt_logprobs, decode))
 
     def take_prompt_logprobs(self, delta: bool) -> PromptLogprobs | None:
@@ -301,6 +307,7 @@ class OutputProcessor:
             request_id=req_id,
             index=index,
             group=group,
+            core_request=core_req,
             detokenizer=RequestDetokenizer(self.tokenizer, core_req.prompt_token_ids, params),
             num_logprobs=params.logprobs,
             num_prompt_logprobs=params.prompt_logprobs,
@@ -338,6 +345,22 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._sequences)
+
+    def resumable_requests(self) -> list[list[EngineCoreRequest]]:
+        """Every unfinished request as a new engine core must take it after
+        the old one died: the request as first added, with the tokens it
+        has produced so far as `output_token_ids`, so the new core continues
+        it with no token repeated or lost. One list per user request (the
+        children of an n > 1 request together, to share a DP rank). The new
+        core reports the prompt logprob rows already held here again; they
+        are skipped."""
+        groups: dict[str, list[EngineCoreRequest]] = {}
+        for state in self._sequences.values():
+            if state.prompt_logprobs is not None:
+                state.prompt_rows_to_skip = len(state.prompt_logprobs) - 1  # its first entry is the None
+            resumed = replace(state.core_request, output_token_ids=list(state.detokenizer.output_token_ids))
+            groups.setdefault(state.group.request_id, []).append(resumed)
+        return list(groups.values())
 
     def get_num_unfinished_requests(self) -> int:
         """Engine-core requests still running (a request with n=4 counts 4)."""

@@ -48,6 +48,10 @@ class EngineCoreRequest:
 
     `max_tokens` here is always concrete (the Processor resolves None against
     max_model_len). `eos_token_id` is None when the tokenizer has none.
+    `output_token_ids` is empty for a new request; a request resumed on a
+    restarted engine carries the tokens it had already produced, which the
+    core takes as its output so far (recomputed as context, counted against
+    max_tokens and penalties, a seeded generator advanced past them).
     """
 
     request_id: str
@@ -59,6 +63,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     # Set on the children of an n > 1 request; they share the prompt's blocks.
     parent_request_id: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 class Request:
@@ -82,8 +87,8 @@ class Request:
         self.parent_request_id = core_req.parent_request_id
         self.prompt_token_ids = list(core_req.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = list(core_req.output_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.first_scheduled_time: float | None = None  # time.time(), for the queue-time metric

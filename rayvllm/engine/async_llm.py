@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayvllm.config import EngineConfig
-from rayvllm.engine.core_client import EngineCoreClient, make_client
+from rayvllm.engine.core_client import CoreRestarts, EngineCoreClient, make_client
 from rayvllm.engine_args import EngineArgs
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError
@@ -101,6 +101,7 @@ class AsyncLLM:
         self._loop_task: asyncio.Task[None] | None = None
         self._step_started: float | None = None
         self._last_stats = 0.0
+        self.restarts = CoreRestarts(self.engine_core, self.output_processor)
         self.dead_error: BaseException | None = None
         self._closed = False
 
@@ -237,8 +238,15 @@ class AsyncLLM:
                 if want_stats:
                     self._last_stats = now
                 self._step_started = now
-                core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, want_stats)
+                try:
+                    core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, want_stats)
+                except EngineDeadError as failure:
+                    self._step_started = None
+                    await loop.run_in_executor(self._thread, self.restarts.replace_core, failure)
+                    self.metrics.record_restart()
+                    continue
                 self._step_started = None
+                self.restarts.step_done()
                 self._process(core_outputs)
                 if stats is not None:
                     self.metrics.record_scheduler_stats(stats)

@@ -10,6 +10,7 @@ once on its intake channel; the in-process client keeps them in a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -18,7 +19,15 @@ from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.llm_engine import make_engine_core
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
+from rayvllm.errors import EngineDeadError
+from rayvllm.output_processor import OutputProcessor
 from rayvllm.request import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+# A failure that recurs this many times with no step completed in between (a
+# request that kills every new core, say) is final.
+MAX_RESTARTS_IN_A_ROW = 3
 
 
 class EngineCoreClient(Protocol):
@@ -37,6 +46,12 @@ class EngineCoreClient(Protocol):
     def make_stats(self) -> SchedulerStats: ...
 
     def check_health(self) -> None: ...
+
+    def restart(self, requests: list[list[EngineCoreRequest]]) -> None:
+        """After `step` raised `EngineDeadError`: a new core in place of the
+        dead one, with `requests` added (each list in one call); raises
+        `EngineDeadError` when the core cannot be replaced."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -70,6 +85,11 @@ class InprocClient:
     def check_health(self) -> None:
         self.core.check_health()
 
+    def restart(self, requests: list[list[EngineCoreRequest]]) -> None:
+        # The core shares this process: what killed it is no worker's fault
+        # that a new one would escape.
+        raise EngineDeadError("the in-process engine core failed and cannot be replaced")
+
     def shutdown(self) -> None:
         self.core.shutdown()
 
@@ -80,3 +100,37 @@ def make_client(config: EngineConfig, reserved_pg: Any = None) -> EngineCoreClie
     (`reserved_pg`: the Serve replica's placement group, for that case)."""
     core = make_engine_core(config, reserved_pg)
     return InprocClient(core) if isinstance(core, EngineCore) else core
+
+
+class CoreRestarts:
+    """What the engine loop does when `step` raises `EngineDeadError`: a
+    new core in place of the failed one (a dead worker, scheduler actor or
+    node), with every unfinished request of `output_processor` (the source
+    of truth) resumed on it, so no request is lost and no token repeated.
+    Call from the thread that steps."""
+
+    def __init__(self, client: EngineCoreClient, output_processor: OutputProcessor) -> None:
+        self.client = client
+        self.output_processor = output_processor
+        self.in_a_row = 0
+        self.total = 0
+
+    def step_done(self) -> None:
+        self.in_a_row = 0
+
+    def replace_core(self, failure: EngineDeadError) -> None:
+        """Re-raises `failure` when the core cannot be replaced (in-process)
+        or has failed MAX_RESTARTS_IN_A_ROW times without a step between."""
+        if self.in_a_row >= MAX_RESTARTS_IN_A_ROW:
+            raise failure
+        self.in_a_row += 1
+        requests = self.output_processor.resumable_requests()
+        logger.warning(
+            "engine core failed (%s); starting a new one and resuming %d requests",
+            failure, sum(len(group) for group in requests),
+        )
+        try:
+            self.client.restart(requests)
+        except Exception as e:  # noqa: BLE001 - Ray reports a failed start in many types
+            raise failure from e
+        self.total += 1

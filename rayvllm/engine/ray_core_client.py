@@ -34,8 +34,13 @@ from rayvllm.engine_types import (
     SchedulerStats,
 )
 from rayvllm.errors import EngineDeadError
-from rayvllm.executor.placement import remove_worker_placement_group, scheduler_actor_options
+from rayvllm.executor.placement import remove_groups_made_by, remove_worker_placement_group, scheduler_actor_options
 from rayvllm.request import EngineCoreRequest
+
+
+# How long a failed engine's SchedulerActor gets to take its workers down
+# before it is killed.
+RESTART_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def ensure_ray_initialized(pc: ParallelConfig) -> None:
@@ -64,22 +69,49 @@ class RayEngineCoreClient:
         and Serve removes it all with the replica. Without it the engine
         makes its own groups. At world size 1 with one DP rank the actor
         runs the model itself (`scheduler_hosts_worker`)."""
-        pc = config.parallel_config
+        self.config = config
+        self.reserved_pg = reserved_pg
+        self._send_lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        """Start a SchedulerActor (and through it the workers), connect to
+        its loop and read its first push."""
+        pc = self.config.parallel_config
         ensure_ray_initialized(pc)
-        options, self._pg = scheduler_actor_options(pc, config.device, reserved_pg)
+        options, self._pg = scheduler_actor_options(pc, self.config.device, self.reserved_pg)
         self.actor: Any = SchedulerActor.options(**options).remote()
         try:
-            config.cache_config.num_blocks = ray.get(self.actor.start.remote(config, reserved_pg))
+            self.config.cache_config.num_blocks = ray.get(self.actor.start.remote(self.config, self.reserved_pg))
             self.conn = connect(*ray.get(self.actor.open_stream.remote()))
         except BaseException:
             self._release()
             raise
-        self._send_lock = threading.Lock()
         self._sent = 0  # inputs sent so far
         self._applied = 0  # of those, how many the loop has applied (as of its latest push)
         self._prefix_stats = PrefixCacheStats()  # pushed since the last `make_stats`
         self._stats: SchedulerStats | None = None
         self._recv()  # the loop's first push: its stats before any step
+
+    def restart(self, requests: list[list[EngineCoreRequest]]) -> None:
+        """Replace a failed engine (the SchedulerActor and the workers it
+        owns, which Ray ends with it) by a new one, and add `requests` to
+        it (each list as one `add_requests` call). The new actor and
+        workers are placed like the first ones: in the replica's reserved
+        group, or in a group made for them anew."""
+        with self._send_lock:
+            hang_up(self.conn)
+            if self.actor is not None:
+                try:
+                    # Alive (a worker died, not the actor): it removes its
+                    # workers' placement group, which it owns.
+                    ray.get(self.actor.shutdown.remote(), timeout=RESTART_SHUTDOWN_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - dead or wedged: the kill below ends it
+                    pass
+                self._release()
+            self._start()
+        for group in requests:
+            self.add_requests(group)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.add_requests([request])
@@ -153,8 +185,10 @@ class RayEngineCoreClient:
             self._release()
 
     def _release(self) -> None:
+        actor_id = self.actor._actor_id.hex()
         ray.kill(self.actor)
         self.actor = None
+        remove_groups_made_by(actor_id)
         if self._pg is not None:
             remove_worker_placement_group(self._pg)
             self._pg = None

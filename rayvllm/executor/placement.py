@@ -152,6 +152,22 @@ def remove_worker_placement_group(pg: PlacementGroup) -> None:
     remove_placement_group(pg)
 
 
+def worker_group_name(dp_rank: int) -> str:
+    """The name of DP rank `dp_rank`'s worker placement group, made after
+    the actor that creates it (the SchedulerActor): Ray does not remove a
+    group when the actor that made it dies, so its client removes what
+    that actor left (`remove_groups_made_by`)."""
+    owner = ray.get_runtime_context().get_actor_id() or uuid.uuid4().hex
+    return f"rayvllm-dp{dp_rank}-{owner}"
+
+
+def remove_groups_made_by(actor_id: str) -> None:
+    """Remove the worker placement groups actor `actor_id` made and left."""
+    for info in ray.util.placement_group_table().values():
+        if info["name"].endswith(f"-{actor_id}") and info["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(info["placement_group_id"]))))
+
+
 def scheduler_hosts_worker(parallel_config: ParallelConfig) -> bool:
     """One DP rank of one worker: its model runs inside the SchedulerActor
     (as vLLM's EngineCoreProc runs its UniProcExecutor), which saves a

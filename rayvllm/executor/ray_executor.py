@@ -12,8 +12,8 @@ output. Steps skip Ray entirely; setup and teardown go through it.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
+from multiprocessing.connection import wait
 from typing import Any
 
 import ray
@@ -32,6 +32,7 @@ from rayvllm.executor.placement import (
     reserved_worker_placements,
     rank_actor_options,
     remove_worker_placement_group,
+    worker_group_name,
 )
 
 
@@ -42,16 +43,25 @@ class _PendingStep:
     def result(self) -> ModelRunnerOutput:
         # Every rank replies (non-drivers with an empty output), in step
         # order; reading them all keeps the channels aligned and surfaces a
-        # failure on any rank.
+        # failure on any rank. Channels are read as they become ready, not
+        # in rank order: when one rank dies, the others wait in a collective
+        # that would only time out, but the dead rank's channel reports EOF
+        # at once.
         ex = self.executor
-        outputs = []
-        for rank, channel in enumerate(ex.channels):
-            try:
-                outputs.append(channel.recv())
-            except (EOFError, OSError) as e:
-                raise EngineDeadError(
-                    f"worker rank {rank} of DP rank {ex.dp_rank} ({ex._where(rank)}) is gone: {e!r}"
-                ) from e
+        pending = dict(enumerate(ex.channels))
+        outputs: dict[int, ModelRunnerOutput] = {}
+        while pending:
+            ready = wait([channel.connection for channel in pending.values()])
+            for rank, channel in list(pending.items()):
+                if channel.connection not in ready:
+                    continue
+                try:
+                    outputs[rank] = channel.recv()
+                except (EOFError, OSError) as e:
+                    raise EngineDeadError(
+                        f"worker rank {rank} of DP rank {ex.dp_rank} ({ex._where(rank)}) is gone: {e!r}"
+                    ) from e
+                del pending[rank]
         return outputs[ex.driver_rank]
 
     def done(self) -> bool:
@@ -95,7 +105,7 @@ class RayExecutor(Executor):
             group = self.reserved_pg
             self.placements = reserved_worker_placements(group, pc, self.dp_rank)
         else:
-            name = f"rayvllm-dp{self.dp_rank}-{uuid.uuid4().hex[:8]}"
+            name = worker_group_name(self.dp_rank)
             self.pg, self.placements = create_worker_placement_group(pc, self.config.device, name)
             group = self.pg
         per_node = Counter(p.node_id for p in self.placements)

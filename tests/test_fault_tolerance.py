@@ -1,0 +1,140 @@
+"""A dead engine costs seconds, never the requests (issue 16): when the
+process that runs the model is killed (SIGKILL, by its process id) in the
+middle of generation, `AsyncLLM` starts a new engine and resumes every
+unfinished request from its prompt plus the tokens already streamed. The
+streams go on with no token repeated or lost: greedy and seeded outputs
+equal an undisturbed run's. Nothing of the dead engine is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.util.state import list_actors, list_placement_groups  # noqa: E402
+
+from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
+from rayvllm.engine_args import EngineArgs  # noqa: E402
+
+ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
+PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 6)]
+NUM_NEW = 48
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=NUM_NEW, ignore_eos=True)
+PARAMS = [GREEDY, GREEDY, SEEDED]
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    ray.init(num_cpus=4, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_model_dir: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_model_dir), **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _alive(class_name: str) -> list[object]:
+    return list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
+
+
+def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
+    ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    async def main() -> tuple[list[list[int]], int, int]:
+        # World size 1: the SchedulerActor runs the model itself.
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            (victim,) = _alive("SchedulerActor")
+            tokens: list[list[int]] = [[] for _ in PROMPTS]
+            killed_at: list[int] = []
+
+            async def consume(i: int) -> None:
+                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+                    tokens[i] += out.outputs[0].token_ids
+                    if i == 0 and len(tokens[0]) >= 5 and not killed_at:
+                        killed_at.append(len(tokens[0]))
+                        os.kill(victim.pid, signal.SIGKILL)
+
+            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            stats = engine.engine_core.make_stats()
+            assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+            (successor,) = _alive("SchedulerActor")
+            assert successor.actor_id != victim.actor_id
+            return tokens, engine.restarts.total, killed_at[0]
+        finally:
+            engine.shutdown()
+
+    tokens, restarts, killed_at = asyncio.run(main())
+    assert restarts == 1 and killed_at < NUM_NEW
+    assert tokens == undisturbed
+    # Shut down: no engine actor or placement group of either engine remains.
+    for _ in range(300):
+        if not _alive("SchedulerActor"):
+            break
+        ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
+    assert _alive("SchedulerActor") == []
+    assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
+
+
+@pytest.mark.parametrize("victim_name", ["WorkerActor(rank=1)", "SchedulerActor"])
+def test_tensor_parallel_engine_killed_is_rebuilt(
+    ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]], victim_name: str
+) -> None:
+    """TP=2. Rank 1 killed: rank 0 then waits in an all-reduce that would
+    only time out, but the dead rank's channel reports the death at once.
+    The SchedulerActor killed: its client sees the channel close. Either
+    way the whole engine is replaced (Ray ends the old scheduler's workers
+    with it; its placement group is removed), and the streams finish
+    exactly."""
+
+    async def main() -> tuple[list[list[int]], int]:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, **ENGINE))
+        try:
+            workers = _alive("WorkerActor")
+            assert sorted(w.repr_name for w in workers) == ["WorkerActor(rank=0)", "WorkerActor(rank=1)"]
+            tokens: list[list[int]] = [[] for _ in PROMPTS]
+            killed: list[int] = []
+
+            async def consume(i: int) -> None:
+                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+                    tokens[i] += out.outputs[0].token_ids
+                    if i == 0 and len(tokens[0]) >= 5 and not killed:
+                        # Rank 1 is not the driver: the driver then blocks in the collective.
+                        victim = next(
+                            a for a in workers + _alive("SchedulerActor") if victim_name in (a.repr_name, a.class_name)
+                        )
+                        killed.append(victim.pid)
+                        os.kill(victim.pid, signal.SIGKILL)
+
+            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            assert len(_alive("WorkerActor")) == 2 and not {w.pid for w in workers} & {w.pid for w in _alive("WorkerActor")}
+            assert len([p for p in list_placement_groups() if p.state != "REMOVED"]) == 1
+            return tokens, engine.restarts.total
+        finally:
+            engine.shutdown()
+
+    tokens, restarts = asyncio.run(main())
+    assert restarts == 1
+    assert tokens == undisturbed
+    for _ in range(300):
+        if not _alive("SchedulerActor") and not _alive("WorkerActor"):
+            break
+        ray.get(ray.remote(lambda: None).remote())
+    assert _alive("SchedulerActor") == [] and _alive("WorkerActor") == []
+    assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
