@@ -9,10 +9,16 @@ from __future__ import annotations
 
 
 class RayvllmError(Exception):
-    """Base class; `status_code` is the HTTP status an API server returns."""
+    """Base class; `status_code` is the HTTP status an API server returns,
+    `public_message` what its error body says (the full text goes to the
+    server's log only, where it may name nodes and internals)."""
 
     status_code: int = 500
     error_type: str = "internal_error"
+
+    @property
+    def public_message(self) -> str:
+        return str(self) or type(self).__name__
 
 
 class InvalidParameterError(RayvllmError, ValueError):
@@ -57,6 +63,18 @@ class EngineOverloadedError(RayvllmError):
 class EngineDeadError(RayvllmError):
     status_code = 503
     error_type = "service_unavailable"
+
+    @property
+    def public_message(self) -> str:
+        # The cause names worker ranks, nodes and addresses.
+        return "the engine is not available; retry later"
+
+
+class RequestTooLargeError(RayvllmError):
+    """A request body over the server's `max_request_bytes`."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
 
 
 class PlacementError(RayvllmError):

@@ -150,7 +150,7 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any], str]] = [
     ("message without a role", "chat", {"messages": [{"content": "hi"}], "max_tokens": 2}, "messages.0.role"),
     (
         "template reaching Python internals", "chat",
-        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ ''.__class__.__mro__ }}"}, "messages",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ ''.__class__.__mro__ }}"}, "chat_template",
     ),
     ("chat seed over 64 bits", "chat", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
 ]
@@ -168,6 +168,28 @@ def test_engine_serves_after_the_named_cases(server: Server) -> None:
     for _case, route, body, _param in BAD_REQUESTS:
         server.call(route, body)
     server.assert_healthy_and_idle()
+
+
+def test_trusted_request_templates_still_render_sandboxed(server: Server) -> None:
+    """With the operator option on, a request's template runs, but in
+    jinja's sandbox: reaching Python internals is a 400, not code execution."""
+    trusting = OpenAIServing(
+        server.engine, [server.engine.served_model_name], server.engine.max_model_len, trust_request_chat_template=True
+    )
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def render(template: str) -> tuple[int, Any]:
+        body = {"messages": messages, "max_tokens": 2, "temperature": 0, "chat_template": template}
+        try:
+            result = await trusting.create_chat_completion(parse_request(ChatCompletionRequest, body), "chatcmpl-t")
+            return 200, result.model_dump(mode="json")
+        except Exception as e:  # noqa: BLE001
+            return error_body(e)
+
+    status, reply = server.loop.run_until_complete(render("{{ ''.__class__.__mro__[1].__subclasses__() }}"))
+    assert status == 400 and reply["error"]["param"] == "messages" and "unsafe" in reply["error"]["message"]
+    status, reply = server.loop.run_until_complete(render("{% for m in messages %}{{ m.content }}{% endfor %}"))
+    assert status == 200 and reply["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, SEED_MAX])

@@ -311,9 +311,14 @@ def test_error_body_shapes() -> None:
     for exc in (EngineOverloadedError("busy"), EngineDeadError("dead")):
         status, body = error_body(exc)
         assert status == 503 and body["error"]["type"] == "service_unavailable" and body["error"]["code"] == 503
-    assert error_body(RuntimeError("boom")) == (
+    assert error_body(EngineOverloadedError("busy"))[1]["error"]["message"] == "busy"
+    # A dead engine's cause names nodes and addresses: the body does not.
+    dead = EngineDeadError("worker rank 1 (node 10.0.0.7 id 4f2a) is gone")
+    assert error_body(dead)[1]["error"]["message"] == "the engine is not available; retry later"
+    # An unexpected exception's text can hold anything: the body says only that it failed.
+    assert error_body(RuntimeError("prompt 'secret' at /home/x")) == (
         500,
-        {"error": {"message": "boom", "type": "internal_error", "param": None, "code": 500}},
+        {"error": {"message": "internal server error", "type": "internal_error", "param": None, "code": 500}},
     )
 
 

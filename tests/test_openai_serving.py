@@ -549,7 +549,10 @@ def test_engine_error_mid_stream_becomes_an_error_event(serving: OpenAIServing, 
     payloads = parse_events(events)
     assert payloads[0]["choices"][0]["text"] == expected_text(engine, 0, 1)
     assert payloads[-1] == {
-        "error": {"message": "the engine died", "type": "service_unavailable", "param": None, "code": 503}
+        "error": {
+            "message": "the engine is not available; retry later", "type": "service_unavailable", "param": None,
+            "code": 503,
+        }
     }
     chat_payloads = parse_events(stream_events(serving, "c", chat_req(stream=True)))
     assert chat_payloads[-1]["error"]["code"] == 503

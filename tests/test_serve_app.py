@@ -32,6 +32,7 @@ KEY = "sk-rayvllm-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE = dict(max_num_seqs=8, max_model_len=2048, kv_cache_memory_bytes=32 << 20)
 MAX_PENDING = 6
+MAX_REQUEST_BYTES = 64 << 10
 PROMPT = "The capital of France is"
 
 
@@ -40,7 +41,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     args = [f"{k}={v}" for k, v in ENGINE.items()]
     proc = serve_run(
         ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
-         f"max_pending_requests={MAX_PENDING}", *args],
+         f"max_pending_requests={MAX_PENDING}", f"max_request_bytes={MAX_REQUEST_BYTES}", *args],
         tmp_path_factory.mktemp("serve") / "serve.log",
         direct=True,
     )
@@ -228,12 +229,28 @@ def test_overload_answers_503(server: ServeProcess) -> None:
             streams = list(pool.map(lambda s: _stream_until_first_token(s, max_tokens=2000), sessions))
         r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=AUTH, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert r.headers["Retry-After"] == "1"
         for r, _ in streams:
             r.close()
     finally:
         for s in sessions:
             s.close()
     _wait_for_idle_engine()
+
+
+def test_a_body_over_the_limit_is_413_declared_or_streamed(server: ServeProcess) -> None:
+    big = json.dumps({"model": "tiny", "prompt": "x" * MAX_REQUEST_BYTES, "max_tokens": 1}).encode()
+    headers = {**AUTH, "Content-Type": "application/json"}
+    declared = requests.post(f"{BASE_URL}/v1/completions", data=big, headers=headers, timeout=30)
+    # A generator body goes chunked, with no Content-Length to refuse it by.
+    chunks = (big[i : i + 8192] for i in range(0, len(big), 8192))
+    streamed = requests.post(f"{BASE_URL}/v1/chat/completions", data=chunks, headers=headers, timeout=30)
+    for r in (declared, streamed):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == 413
+    small = requests.post(f"{BASE_URL}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                          headers=AUTH, timeout=30)
+    assert small.status_code == 200
 
 
 def test_metrics_count_exactly(client: "openai.OpenAI") -> None:

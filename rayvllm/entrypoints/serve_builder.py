@@ -130,6 +130,12 @@ class ServerArgs(BaseModel):
 
     api_key: str | None = None
     max_pending_requests: int | None = None
+    # Request bodies over this many bytes get a 413 before they are parsed
+    # (a max_model_len prompt of token ids is well under 1 MiB of JSON).
+    max_request_bytes: int | None = 16 << 20
+    # vLLM's name: let requests carry their own chat template. Off by
+    # default: a template is code, run (sandboxed) on the replica.
+    trust_request_chat_template: bool = False
     # Serve's per-request access log line (vLLM: --disable-uvicorn-access-log).
     # Each line costs the replica and Ray's log monitor CPU that a small
     # machine's forward needs.
@@ -163,6 +169,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         given,
         api_key=server.api_key,
         max_pending_requests=server.max_pending_requests,
+        max_request_bytes=server.max_request_bytes,
+        trust_request_chat_template=server.trust_request_chat_template,
     )
 
 

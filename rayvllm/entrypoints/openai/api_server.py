@@ -30,7 +30,7 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
 )
 from rayvllm.entrypoints.openai.serving import OpenAIServing
-from rayvllm.errors import AuthenticationError, InvalidParameterError
+from rayvllm.errors import AuthenticationError, EngineOverloadedError, InvalidParameterError, RequestTooLargeError
 from rayvllm.outputs import RequestOutput, RequestOutputKind
 from rayvllm.sampling_params import SamplingParams
 
@@ -38,14 +38,30 @@ app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayv
 
 _Body = TypeVar("_Body", bound=BaseModel)
 
+# Clients told to come back after an overload wait this long (seconds).
+RETRY_AFTER_S = 1
+
+
 def _error(exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, EngineOverloadedError) else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _json(request: Request) -> dict[str, Any]:
+async def _json(request: Request, max_bytes: int | None) -> dict[str, Any]:
+    """The body as a JSON object, read no further than `max_bytes` (None:
+    no limit): a declared or streamed body over it is a 413 before it is
+    held in memory or parsed."""
+    declared = request.headers.get("content-length", "")
+    if max_bytes is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLargeError(f"the request body has {declared} bytes; this server takes at most {max_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if max_bytes is not None and len(body) > max_bytes:
+            raise RequestTooLargeError(f"the request body is over {max_bytes} bytes, the most this server takes")
     try:
-        data = await request.json()
+        data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidParameterError("body", f"not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -53,8 +69,8 @@ async def _json(request: Request) -> dict[str, Any]:
     return data
 
 
-async def _parse(request: Request, model: type[_Body]) -> _Body:
-    return parse_request(model, await _json(request))
+async def _parse(request: Request, model: type[_Body], max_bytes: int | None) -> _Body:
+    return parse_request(model, await _json(request, max_bytes))
 
 
 def _respond(result: BaseModel | AsyncIterator[str]) -> Response:
@@ -101,7 +117,11 @@ class LLMServer:
         engine_args: dict[str, Any],
         api_key: str | None = None,
         max_pending_requests: int | None = None,
+        max_request_bytes: int | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
+        """Server options as `serve_builder.ServerArgs` documents them
+        (its defaults are the served ones; None here means no limit)."""
         args = EngineArgs.from_dict(engine_args)
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
@@ -110,8 +130,12 @@ class LLMServer:
         self.engine = AsyncLLM.from_engine_args(
             args, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group()
         )
-        self.serving = OpenAIServing(self.engine, [self.engine.served_model_name], self.engine.max_model_len)
+        self.serving = OpenAIServing(
+            self.engine, [self.engine.served_model_name], self.engine.max_model_len,
+            trust_request_chat_template=trust_request_chat_template,
+        )
         self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
 
     def _authorize(self, request: Request) -> None:
         """With an API key set, the API routes (not /health or /metrics,
@@ -128,7 +152,7 @@ class LLMServer:
     async def completions(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            body = await _parse(request, CompletionRequest)
+            body = await _parse(request, CompletionRequest, self.max_request_bytes)
             return _respond(await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
             return _error(e)
@@ -137,7 +161,7 @@ class LLMServer:
     async def chat_completions(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            body = await _parse(request, ChatCompletionRequest)
+            body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
             return _respond(await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001
             return _error(e)
@@ -154,7 +178,7 @@ class LLMServer:
     async def tokenize(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            body = parse_tokenize_request(await _json(request))
+            body = parse_tokenize_request(await _json(request, self.max_request_bytes))
             return JSONResponse(self.serving.tokenize(body).model_dump(mode="json"))
         except Exception as e:  # noqa: BLE001
             return _error(e)
@@ -163,7 +187,7 @@ class LLMServer:
     async def detokenize(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            body = await _parse(request, DetokenizeRequest)
+            body = await _parse(request, DetokenizeRequest, self.max_request_bytes)
             return JSONResponse(self.serving.detokenize(body).model_dump(mode="json"))
         except Exception as e:  # noqa: BLE001
             return _error(e)

@@ -11,6 +11,7 @@ the client actually sent. Responses spell ids and `object` as OpenAI does.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -60,6 +61,9 @@ __all__ = [
     "random_id",
     "with_param",
 ]
+
+
+logger = logging.getLogger(__name__)
 
 
 def random_id(prefix: str) -> str:
@@ -160,19 +164,24 @@ class ErrorResponse(OpenAIBaseModel):
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """HTTP status and OpenAI-style body `{"error": {message, type, param, code}}`.
 
-    The status is the `RayvllmError.status_code` (a pydantic ValidationError
-    counts as InvalidParameterError, 400); anything else is a 500
-    "internal_error" whose message is the exception's text. `code` repeats
-    the status, as vLLM does.
+    The status is the `RayvllmError.status_code` and the message its
+    `public_message` (a pydantic ValidationError counts as
+    InvalidParameterError, 400); anything else is a 500 "internal_error"
+    that says no more than that: an unexpected exception's text can hold
+    anything (prompts, paths, addresses), so it belongs in the server log
+    only. `code` repeats the status, as vLLM does.
     """
     if isinstance(exc, ValidationError):
         exc = invalid_param_from_validation_error(exc)
     if isinstance(exc, RayvllmError):
         status, kind = exc.status_code, exc.error_type
         param = getattr(exc, "param", None)
+        message = exc.public_message
     else:
         status, kind, param = 500, "internal_error", None
-    message = str(exc) or type(exc).__name__
+        message = "internal server error"
+    if message != str(exc):
+        logger.error("request failed with %d: %r", status, exc, exc_info=exc)
     info = ErrorInfo(message=message, type=kind, param=param, code=status)
     return status, ErrorResponse(error=info).model_dump()
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pydantic import BaseModel
 
@@ -232,10 +232,16 @@ class OpenAIServing:
     `served_model_names[0]` is the name used when a request names no model.
     """
 
-    def __init__(self, engine: EngineClient, served_model_names: list[str], max_model_len: int) -> None:
+    def __init__(
+        self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
+        trust_request_chat_template: bool = False,
+    ) -> None:
+        """`trust_request_chat_template`: accept a `chat_template` in requests
+        (otherwise such a request is a 400 naming the field)."""
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
         self._logprobs = LogprobFormatter(engine.tokenizer)
@@ -388,7 +394,7 @@ class OpenAIServing:
         model = self._model_name(req.model)
         with _named_for(req):
             params = req.to_sampling_params()
-            prompt = self.engine.processor.render_chat(req.template_messages(), **req.template_options())
+            prompt = self.engine.processor.render_chat(req.template_messages(), **self._template_options(req))
         streams = await self._start(req, [prompt], params, request_id)
         tally = _Tally(1, params.n, keep_outputs=not req.stream)
         response_id = _response_id("chatcmpl-", request_id)
@@ -488,11 +494,19 @@ class OpenAIServing:
         self._model_name(req.model)
         processor = self.engine.processor
         if isinstance(req, TokenizeChatRequest):
-            text = processor.render_chat(req.template_messages(), **req.template_options())
+            text = processor.render_chat(req.template_messages(), **self._template_options(req))
         else:
             text = req.prompt
         tokens = processor.tokenize(text, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
+
+    def _template_options(self, req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise InvalidParameterError(
+                "chat_template",
+                "this server does not take chat templates from requests (server option trust_request_chat_template)",
+            )
+        return req.template_options()
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self._model_name(req.model)
