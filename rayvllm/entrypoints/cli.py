@@ -10,27 +10,37 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel
 
 from rayvllm.engine_args import EngineArgs
+from rayvllm.entrypoints.server_args import ServerArgs
 from rayvllm.errors import RayvllmError
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per EngineArgs field (vLLM's dashes), typed from the model."""
-    for name, field in EngineArgs.model_fields.items():
+def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """One `--flag` per field of `model` (vLLM's dashes), typed from it; an
+    unset flag leaves the field's own default."""
+    for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         args = typing.get_args(annotation)
         base = next((a for a in args if a is not type(None)), annotation) if args else annotation
         if base is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=field.description)
         else:
-            parser.add_argument(flag, dest=name, type=base, default=None)
+            parser.add_argument(flag, dest=name, type=base, default=None, help=field.description)
+
+
+def given_args(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """The fields of `model` set on the command line."""
+    return {k: v for k, v in vars(ns).items() if k in model.model_fields and v is not None}
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    given = {k: v for k, v in vars(ns).items() if k in EngineArgs.model_fields and v is not None}
-    return EngineArgs.from_dict(given)
+    return EngineArgs.from_dict(given_args(ns, EngineArgs))
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -59,13 +69,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
     from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, build_app, direct_ingress_env
 
-    args = engine_args_from(ns).model_dump(exclude_unset=True)
-    if ns.api_key is not None:
-        args["api_key"] = ns.api_key
-    if ns.max_pending_requests is not None:
-        args["max_pending_requests"] = ns.max_pending_requests
-    if ns.disable_access_log:
-        args["disable_access_log"] = True
+    args = {**engine_args_from(ns).model_dump(exclude_unset=True), **given_args(ns, ServerArgs)}
     app = build_app(args)
     if ns.address is None and ns.direct_ingress:
         # This command starts the cluster, so it can give it the settings
@@ -91,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
-    add_engine_args(gen)
+    add_model_args(gen, EngineArgs)
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API with Ray Serve")
     srv.add_argument("--host", default="0.0.0.0")
@@ -103,12 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "Serve's proxy hop (default: on)")
     srv.add_argument("--proxy-port", type=int, default=None,
                      help="Serve's HTTP proxy port (default: --port + 1 with direct ingress, else --port)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API routes")
-    srv.add_argument("--max-pending-requests", type=int, default=None,
-                     help="answer 503 beyond this many unfinished requests")
-    srv.add_argument("--disable-access-log", action="store_true",
-                     help="no per-request access log line from the replica")
-    add_engine_args(srv)
+    add_model_args(srv, ServerArgs)
+    add_model_args(srv, EngineArgs)
     srv.set_defaults(func=_serve)
     return parser
 

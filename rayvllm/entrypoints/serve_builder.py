@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
 from ray.serve._private.constants import SERVE_NAMESPACE
@@ -25,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
 from rayvllm.engine_args import EngineArgs
+from rayvllm.entrypoints.server_args import ServerArgs
 from rayvllm.errors import InvalidParameterError
 from rayvllm.executor.placement import deployment_bundles
 
@@ -121,25 +121,6 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int = SERVE_RU
     ray.init(namespace=SERVE_NAMESPACE)
     serve.start(http_options={"host": "127.0.0.1", "port": port + 1})
     return True
-
-
-class ServerArgs(BaseModel):
-    """Options of the server itself (not of the engine)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    api_key: str | None = None
-    max_pending_requests: int | None = None
-    # Request bodies over this many bytes get a 413 before they are parsed
-    # (a max_model_len prompt of token ids is well under 1 MiB of JSON).
-    max_request_bytes: int | None = 16 << 20
-    # vLLM's name: let requests carry their own chat template. Off by
-    # default: a template is code, run (sandboxed) on the replica.
-    trust_request_chat_template: bool = False
-    # Serve's per-request access log line (vLLM: --disable-uvicorn-access-log).
-    # Each line costs the replica and Ray's log monitor CPU that a small
-    # machine's forward needs.
-    disable_access_log: bool = False
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:

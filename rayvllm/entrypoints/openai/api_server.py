@@ -120,7 +120,7 @@ class LLMServer:
         max_request_bytes: int | None = None,
         trust_request_chat_template: bool = False,
     ) -> None:
-        """Server options as `serve_builder.ServerArgs` documents them
+        """Server options as `server_args.ServerArgs` documents them
         (its defaults are the served ones; None here means no limit)."""
         args = EngineArgs.from_dict(engine_args)
         if args.distributed_executor_backend is None:

@@ -1,0 +1,26 @@
+"""The OpenAI server's own options (beside the engine's `EngineArgs`): one
+model that `serve run ... key=value`, `serve_config.yaml` and `rayvllm
+serve --flag` all read, so each default lives here only. Ray-free."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServerArgs(BaseModel):
+    """Options of the server itself (not of the engine); `rayvllm serve`
+    takes each as a `--flag`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on the API routes")
+    max_pending_requests: int | None = Field(None, description="answer 503 beyond this many unfinished requests")
+    # Each access-log line costs the replica and Ray's log monitor CPU that a
+    # small machine's forward needs (vLLM: --disable-uvicorn-access-log).
+    disable_access_log: bool = Field(False, description="no per-request access log line from the replica")
+    # A max_model_len prompt of token ids is well under 1 MiB of JSON.
+    max_request_bytes: int | None = Field(16 << 20, description="answer 413 to request bodies over this many bytes")
+    # A template is code, run (sandboxed) on the replica.
+    trust_request_chat_template: bool = Field(
+        False, description="accept a chat_template in requests (vLLM's name; off by default)"
+    )
