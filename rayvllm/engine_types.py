@@ -9,7 +9,7 @@ them from here; this module imports nothing of rayvllm but `request`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -190,6 +190,8 @@ class EngineCoreOutputs:
 
 @dataclass
 class EngineCoreFailure:
-    """The last push of a loop that stopped on an error."""
+    """The last push of a loop that stopped on an error; `culprits` as in
+    `StepFailedError` (empty when the cause is not a step's)."""
 
     error: str
+    culprits: list[str] = field(default_factory=list)

@@ -70,6 +70,27 @@ class EngineDeadError(RayvllmError):
         return "the engine is not available; retry later"
 
 
+class StepFailedError(EngineDeadError):
+    """A step raised on a worker that is still alive. `culprits`: the
+    requests first scheduled in that step that had produced no token yet
+    (anything they carry may be the cause); the others ran before."""
+
+    def __init__(self, message: str, culprits: list[str]) -> None:
+        super().__init__(message)
+        self.culprits = culprits
+
+
+class RequestFailedError(RayvllmError):
+    """This request's step failed on the engine; the engine went on."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    @property
+    def public_message(self) -> str:
+        return "the engine failed to run this request"
+
+
 class RequestTooLargeError(RayvllmError):
     """A request body over the server's `max_request_bytes`."""
 

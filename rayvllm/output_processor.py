@@ -346,6 +346,23 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._sequences)
 
+    def drop_requests(self, core_ids: Iterable[str]) -> list[str]:
+        """Forget the user requests that engine-core requests `core_ids`
+        belong to (every child of an n > 1 request), with no output: they
+        failed. Returns their user request ids; unknown ids are ignored."""
+        dropped: list[str] = []
+        for core_id in core_ids:
+            state = self._sequences.get(core_id)
+            if state is None or state.group.request_id in dropped:
+                continue
+            group = state.group
+            dropped.append(group.request_id)
+            for child in group.sequences.values():
+                self._sequences.pop(child.request_id, None)
+            group.unfinished.clear()
+            self._groups.pop(group.request_id, None)
+        return dropped
+
     def resumable_requests(self) -> list[list[EngineCoreRequest]]:
         """Every unfinished request as a new engine core must take it after
         the old one died: the request as first added, with the tokens it

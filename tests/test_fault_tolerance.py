@@ -23,6 +23,9 @@ from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.engine_args import EngineArgs  # noqa: E402
+from rayvllm.errors import RequestFailedError  # noqa: E402
+
+from fault_hooks import POISON_SEED  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 6)]
@@ -34,7 +37,14 @@ PARAMS = [GREEDY, GREEDY, SEEDED]
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=4, log_to_driver=False)
+    # Every Ray worker process gets the poison of fault_hooks.py (only a
+    # request seeded with POISON_SEED triggers it).
+    tests_dir = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=4, log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": "fault_hooks.poison_seed", "env_vars": {"PYTHONPATH": path}},
+    )
     yield
     ray.shutdown()
 
@@ -138,3 +148,48 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
         ray.get(ray.remote(lambda: None).remote())
     assert _alive("SchedulerActor") == [] and _alive("WorkerActor") == []
     assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
+
+
+def test_a_request_that_fails_its_step_fails_alone(
+    ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """A request whose step raises on a live worker (fault_hooks.py) gets
+    an error of its own; the engine is replaced and every other stream
+    finishes exactly; the engine serves on."""
+
+    async def main() -> tuple[list[list[int]], BaseException | None, int, list[int]]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            tokens: list[list[int]] = [[] for _ in PROMPTS]
+            poisoned: list[BaseException] = []
+
+            async def consume(i: int) -> None:
+                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+                    tokens[i] += out.outputs[0].token_ids
+                    if i == 0 and len(tokens[0]) >= 5 and not poisoned:
+                        poisoned.append(asyncio.ensure_future(poison()))  # type: ignore[arg-type]
+
+            async def poison() -> BaseException | None:
+                params = SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=8)
+                try:
+                    async for _ in engine.generate({"prompt_token_ids": [11, 12, 13]}, params, "poisoned"):
+                        pass
+                except RequestFailedError as e:
+                    return e
+                return None
+
+            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            error = await poisoned[0]  # type: ignore[misc]
+            after = []
+            async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "after"):
+                after += out.outputs[0].token_ids
+            return tokens, error, engine.restarts.total, after
+        finally:
+            engine.shutdown()
+
+    tokens, error, restarts, after = asyncio.run(main())
+    assert isinstance(error, RequestFailedError)
+    assert restarts == 1
+    assert tokens == undisturbed and after == undisturbed[0]

@@ -24,7 +24,7 @@ from rayvllm.config import EngineConfig
 from rayvllm.engine.core_client import CoreRestarts, EngineCoreClient, make_client
 from rayvllm.engine_args import EngineArgs
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError
+from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
 from rayvllm.metrics import EngineMetrics
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.outputs import RequestOutput, RequestOutputKind
@@ -242,7 +242,13 @@ class AsyncLLM:
                     core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, want_stats)
                 except EngineDeadError as failure:
                     self._step_started = None
-                    await loop.run_in_executor(self._thread, self.restarts.replace_core, failure)
+                    for request_id in self.restarts.drop_culprits(failure):
+                        self._started.discard(request_id)
+                        queue = self._queues.get(request_id)
+                        if queue is not None:
+                            queue.put_nowait(RequestFailedError(f"request {request_id} failed: {failure}"))
+                    requests = self.output_processor.resumable_requests()
+                    await loop.run_in_executor(self._thread, self.restarts.replace_core, failure, requests)
                     self.metrics.record_restart()
                     continue
                 self._step_started = None

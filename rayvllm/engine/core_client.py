@@ -19,7 +19,7 @@ from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.llm_engine import make_engine_core
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.errors import EngineDeadError
+from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.request import EngineCoreRequest
 
@@ -105,9 +105,13 @@ def make_client(config: EngineConfig, reserved_pg: Any = None) -> EngineCoreClie
 class CoreRestarts:
     """What the engine loop does when `step` raises `EngineDeadError`: a
     new core in place of the failed one (a dead worker, scheduler actor or
-    node), with every unfinished request of `output_processor` (the source
-    of truth) resumed on it, so no request is lost and no token repeated.
-    Call from the thread that steps."""
+    node), with every unfinished request of the output processor (the
+    source of truth) resumed on it, so no request is lost and no token
+    repeated. A step that failed on a live worker names its culprits
+    (`StepFailedError`): they fail alone, the rest resume.
+
+    `drop_culprits` and `resumable` run on the thread that owns the output
+    processor, `replace_core` on the one that steps."""
 
     def __init__(self, client: EngineCoreClient, output_processor: OutputProcessor) -> None:
         self.client = client
@@ -118,13 +122,22 @@ class CoreRestarts:
     def step_done(self) -> None:
         self.in_a_row = 0
 
-    def replace_core(self, failure: EngineDeadError) -> None:
-        """Re-raises `failure` when the core cannot be replaced (in-process)
-        or has failed MAX_RESTARTS_IN_A_ROW times without a step between."""
-        if self.in_a_row >= MAX_RESTARTS_IN_A_ROW:
-            raise failure
-        self.in_a_row += 1
-        requests = self.output_processor.resumable_requests()
+    def drop_culprits(self, failure: EngineDeadError) -> list[str]:
+        """Forget the requests `failure` blames and return their user
+        request ids. A failure that blames none counts toward the limit:
+        past MAX_RESTARTS_IN_A_ROW with no step between, `failure` is
+        re-raised (each blaming failure removes requests, so those end)."""
+        culprits = failure.culprits if isinstance(failure, StepFailedError) else []
+        failed = self.output_processor.drop_requests(culprits)
+        if not failed:
+            if self.in_a_row >= MAX_RESTARTS_IN_A_ROW:
+                raise failure
+            self.in_a_row += 1
+        return failed
+
+    def replace_core(self, failure: EngineDeadError, requests: list[list[EngineCoreRequest]]) -> None:
+        """Start a new core with `requests` (`OutputProcessor.resumable_requests`);
+        re-raises `failure` when the core cannot be replaced (in-process)."""
         logger.warning(
             "engine core failed (%s); starting a new one and resuming %d requests",
             failure, sum(len(group) for group in requests),

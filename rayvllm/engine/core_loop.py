@@ -22,6 +22,7 @@ from rayvllm.distributed.rpc_channel import hang_up
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine_types import EngineCoreFailure, EngineCoreOutputs
+from rayvllm.errors import StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ class EngineCoreLoop:
             pass  # the client is gone; nobody is left to tell
         except BaseException as e:  # noqa: BLE001 - the client must hear why
             logger.exception("engine loop failed")
+            culprits = e.culprits if isinstance(e, StepFailedError) else []
             try:
-                self._push(EngineCoreFailure(f"{e!r}\n{traceback.format_exc()}"))
+                self._push(EngineCoreFailure(f"{e!r}\n{traceback.format_exc()}", culprits))
             except OSError:
                 pass
         finally:

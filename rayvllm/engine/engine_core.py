@@ -37,6 +37,7 @@ from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.factory import create_executor
+from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.request import EngineCoreRequest, Request
 
 
@@ -202,7 +203,15 @@ class EngineCore:
         taken = []
         for rank in busy:
             step = self.inflight[rank].popleft()
-            taken.append((rank, step, step.pending.result()))
+            try:
+                result = step.pending.result()
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a worker raised and lives on
+                so = step.scheduler_output
+                culprits = [new.req_id for new in so.scheduled_new_reqs if not new.output_token_ids]
+                raise StepFailedError(f"a step failed on DP rank {rank}: {e!r}", culprits) from e
+            taken.append((rank, step, result))
         return taken
 
     def make_stats(self) -> SchedulerStats:

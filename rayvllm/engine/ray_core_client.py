@@ -33,7 +33,7 @@ from rayvllm.engine_types import (
     PrefixCacheStats,
     SchedulerStats,
 )
-from rayvllm.errors import EngineDeadError
+from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.executor.placement import remove_groups_made_by, remove_worker_placement_group, scheduler_actor_options
 from rayvllm.request import EngineCoreRequest
 
@@ -158,6 +158,8 @@ class RayEngineCoreClient:
         except (EOFError, OSError) as e:
             raise EngineDeadError(f"the scheduler actor is gone: {e!r}") from e
         if isinstance(message, EngineCoreFailure):
+            if message.culprits:
+                raise StepFailedError(f"the engine loop failed: {message.error}", message.culprits)
             raise EngineDeadError(f"the engine loop failed: {message.error}")
         assert isinstance(message, EngineCoreOutputs)
         self._applied = message.inputs_applied

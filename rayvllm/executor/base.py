@@ -25,10 +25,17 @@ class PendingOutput(Protocol):
 
 
 class _Done:
-    def __init__(self, output: ModelRunnerOutput) -> None:
+    """A step run at submission: its output, or the exception it raised
+    (re-raised by `result`, where a remote step's failure surfaces too)."""
+
+    def __init__(self, output: ModelRunnerOutput | None, error: Exception | None = None) -> None:
         self.output = output
+        self.error = error
 
     def result(self) -> ModelRunnerOutput:
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None
         return self.output
 
     def done(self) -> bool:
@@ -53,7 +60,10 @@ class Executor(ABC):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         """Submit a step without waiting. Invariant: steps reach the workers
         in submission order. The local executor simply runs it."""
-        return _Done(self.execute_model(scheduler_output))
+        try:
+            return _Done(self.execute_model(scheduler_output))
+        except Exception as e:  # noqa: BLE001 - reported with the step, by `result`
+            return _Done(None, e)
 
     def check_health(self) -> None:
         """Raise if any worker is dead."""

@@ -1,0 +1,24 @@
+"""Faults injected into Ray worker processes for tests/test_fault_tolerance.py
+(installed by runtime_env's `worker_process_setup_hook`): a request with
+`POISON_SEED` makes the model runner raise in its step, on a worker that
+stays alive, as a bug triggered by one request's data would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+POISON_SEED = 666
+
+
+def poison_seed() -> None:
+    from rayvllm.worker import model_runner
+
+    original = model_runner.ModelRunner._update_states
+
+    def update_states(self: Any, so: Any) -> None:
+        for new in so.scheduled_new_reqs:
+            if new.sampling_params.seed == POISON_SEED:
+                raise RuntimeError("a poisoned request")
+        original(self, so)
+
+    model_runner.ModelRunner._update_states = update_states
