@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Unfinished requests a server admits per sequence slot of its engine
+# (max_num_seqs) unless `max_pending_requests` says otherwise: enough queue
+# to keep every slot busy, bounded so that a flood gets 503s, not memory.
+PENDING_PER_SEQ = 4
+
 
 class ServerArgs(BaseModel):
     """Options of the server itself (not of the engine); `rayvllm serve`
@@ -14,7 +19,9 @@ class ServerArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on the API routes")
-    max_pending_requests: int | None = Field(None, description="answer 503 beyond this many unfinished requests")
+    max_pending_requests: int | None = Field(
+        None, description=f"answer 503 beyond this many unfinished requests (default {PENDING_PER_SEQ} x max_num_seqs)"
+    )
     # Each access-log line costs the replica and Ray's log monitor CPU that a
     # small machine's forward needs (vLLM: --disable-uvicorn-access-log).
     disable_access_log: bool = Field(False, description="no per-request access log line from the replica")

@@ -30,6 +30,7 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
 )
 from rayvllm.entrypoints.openai.serving import OpenAIServing
+from rayvllm.entrypoints.server_args import PENDING_PER_SEQ
 from rayvllm.errors import AuthenticationError, EngineOverloadedError, InvalidParameterError, RequestTooLargeError
 from rayvllm.outputs import RequestOutput, RequestOutputKind
 from rayvllm.sampling_params import SamplingParams
@@ -126,9 +127,12 @@ class LLMServer:
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
             args.distributed_executor_backend = "ray"
+        config = args.create_engine_config()
+        if max_pending_requests is None:
+            max_pending_requests = PENDING_PER_SEQ * config.scheduler_config.max_num_seqs
         # Serve reserved the workers' bundles with this replica (build_app).
-        self.engine = AsyncLLM.from_engine_args(
-            args, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group()
+        self.engine = AsyncLLM(
+            config, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group()
         )
         self.serving = OpenAIServing(
             self.engine, [self.engine.served_model_name], self.engine.max_model_len,
