@@ -98,6 +98,19 @@ class ServeProcess:
                 found.append(pid)
         return found
 
+    def group_pids(self) -> list[int]:
+        """Live processes of this server's process group (its Ray cluster's
+        too), also after the server itself has exited."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":
+                found.append(int(stat.parent.name))
+        return found
+
     def listener_pids(self, port: int) -> list[int]:
         """This server's processes that hold the listening socket of `port`
         (read from /proc: the socket's inode, then each process's fds)."""
@@ -125,6 +138,12 @@ class ServeProcess:
     def log_tail(self, chars: int = 6000) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
+
+    def terminate(self, timeout: float) -> int:
+        """SIGTERM, as a process manager stops a server; its exit status
+        once it has exited by itself (`stop` still cleans up after it)."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
 
     def stop(self) -> None:
         """Ctrl-C to the server (it shuts Serve and its local Ray down), a

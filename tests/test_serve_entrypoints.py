@@ -4,10 +4,12 @@ serve_app:app` (demo model, no setup) and the shipped Serve config file on
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,10 +48,34 @@ def _check_demo(proc: ServeProcess) -> None:
         proc.stop()
 
 
+def _stream_through_sigterm(proc: ServeProcess, url: str, model: str, max_tokens: int) -> None:
+    """A long stream is in flight when the server gets SIGTERM: it drains
+    (the stream ends with all its tokens and [DONE]), then exits by itself
+    with status 0, leaving none of its processes behind."""
+    body = {"model": model, "prompt": "Hi", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: ")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            exited = pool.submit(proc.terminate, 120)
+            rest = [line for line in lines if line]
+            assert exited.result() == 0, proc.log_tail()
+    assert rest[-1] == b"data: [DONE]"
+    assert json.loads(rest[-2][len(b"data: "):])["usage"]["completion_tokens"] == max_tokens
+    # Ray's own processes end right after the command; wait for them.
+    deadline = time.monotonic() + 60
+    while left := proc.group_pids():
+        names = [Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left if Path(f"/proc/{pid}").exists()]
+        assert time.monotonic() < deadline, f"still running after the server exited: {names}"
+        time.sleep(0.2)  # waiting for other processes to exit, not synchronisation
+
+
 def test_serve_run_demo_app(tmp_path: Path) -> None:
     """The README's command takes the fast path: the LLMServer replica
     itself listens on :8000 (Serve's direct ingress) and the proxy, moved
-    to :8001, serves the same app."""
+    to :8001, serves the same app. SIGTERM drains it."""
     proc = serve_run(["serve_app:app"], tmp_path / "serve.log")
     try:
         proc.wait_ready()
@@ -57,10 +83,11 @@ def test_serve_run_demo_app(tmp_path: Path) -> None:
         assert len(replicas) == 1 and proc.listener_pids(SERVE_RUN_PORT) == replicas, proc.log_tail()
         proxied = requests.get(f"http://127.0.0.1:{SERVE_RUN_PORT + 1}/v1/models", timeout=60)
         assert proxied.status_code == 200 and proxied.json()["data"][0]["id"] == DEMO_MODEL_NAME
-    except BaseException:
+        body = _curl_completion()
+        assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
+        _stream_through_sigterm(proc, BASE_URL, DEMO_MODEL_NAME, 400)
+    finally:
         proc.stop()
-        raise
-    _check_demo(proc)
 
 
 def test_serve_run_config_file(tmp_path: Path) -> None:
@@ -87,6 +114,7 @@ def test_rayvllm_serve_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
         r = requests.post(f"{url}/v1/completions", json={"model": "cli-model", "prompt": "Hi", "max_tokens": 3},
                           timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        _stream_through_sigterm(proc, url, "cli-model", 240)
     finally:
         proc.stop()
 

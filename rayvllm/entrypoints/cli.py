@@ -67,7 +67,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, build_app, direct_ingress_env
+    from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, build_app, direct_ingress_env, drain_on_sigterm
 
     args = {**engine_args_from(ns).model_dump(exclude_unset=True), **given_args(ns, ServerArgs)}
     app = build_app(args)
@@ -76,12 +76,18 @@ def _serve(ns: argparse.Namespace) -> int:
         # that put the replica itself on --port (the proxy moves aside).
         os.environ.update(direct_ingress_env(ns.port, ns.host))
         ray.init(address="local")
+        drain_on_sigterm()
         proxy_port = ns.proxy_port if ns.proxy_port is not None else ns.port + 1
     else:
         ray.init(address=ns.address)
         proxy_port = ns.port
     serve.start(http_options={"host": ns.host, "port": proxy_port})
-    serve.run(app, name=DEFAULT_APP_NAME, route_prefix="/", blocking=True)
+    try:
+        serve.run(app, name=DEFAULT_APP_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        # Ctrl-C or SIGTERM: stop the app, its replica draining in-flight
+        # requests (drain_timeout_s), before the cluster goes.
+        serve.shutdown()
     return 0
 
 

@@ -9,6 +9,7 @@ own options below. Without `model` the embedded demo model is served.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -51,6 +52,11 @@ def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
         # Exclusive bound: exactly `port`.
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
         "RAY_SERVE_DEFAULT_HTTP_HOST": host,
+        # Serve keeps a stopping direct-ingress replica up at least this
+        # long (30 s by default) for an external load balancer to drop it;
+        # clients reach this one directly, so only in-flight requests need
+        # the wait (drain_timeout_s), and Ctrl-C returns in seconds.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     }
 
 
@@ -120,7 +126,20 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int = SERVE_RU
     os.environ.update(direct_ingress_env(port))
     ray.init(namespace=SERVE_NAMESPACE)
     serve.start(http_options={"host": "127.0.0.1", "port": port + 1})
+    drain_on_sigterm()
     return True
+
+
+def drain_on_sigterm() -> None:
+    """SIGTERM (what a process manager or Kubernetes sends) shuts down like
+    Ctrl-C: `serve run` then stops the app and the cluster it started,
+    letting in-flight requests finish (drain_timeout_s), instead of dying
+    with them. Call from the main thread of a command that owns its cluster."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
@@ -144,6 +163,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         given["model"] = str(demo_model_path())
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
     options = replica_placement(engine)
+    options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
     if server.disable_access_log:
         options["logging_config"] = LoggingConfig(enable_access_log=False)
     return LLMServer.options(**options).bind(  # type: ignore[attr-defined]

@@ -27,6 +27,9 @@ class ServerArgs(BaseModel):
     disable_access_log: bool = Field(False, description="no per-request access log line from the replica")
     # A max_model_len prompt of token ids is well under 1 MiB of JSON.
     max_request_bytes: int | None = Field(16 << 20, description="answer 413 to request bodies over this many bytes")
+    # Serve stops routing to a replica that shuts down, waits for its
+    # requests up to this long, then stops it (its graceful_shutdown_timeout_s).
+    drain_timeout_s: float = Field(30.0, description="on shutdown, how long in-flight requests get to finish")
     # A template is code, run (sandboxed) on the replica.
     trust_request_chat_template: bool = Field(
         False, description="accept a chat_template in requests (vLLM's name; off by default)"
