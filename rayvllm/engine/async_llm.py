@@ -301,6 +301,9 @@ class AsyncLLM:
             raise EngineDeadError("the engine was shut down")
         if self._loop_task is not None and self._loop_task.done():
             raise EngineDeadError("the engine loop exited")
+        if self.restarts.restarting_since is not None:
+            # Its requests wait for the new core (which may wait for resources).
+            raise EngineDeadError("the engine is restarting after a failure")
         started = self._step_started
         if started is not None and time.monotonic() - started > STEP_STALL_S:
             raise EngineDeadError(f"an engine step has run for over {STEP_STALL_S:.0f} s")
@@ -326,6 +329,7 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
+        self.restarts.closed = True
         if self._loop_task is not None:
             self._loop_task.cancel()
         # The step thread may be inside the core; shut the core down after it.

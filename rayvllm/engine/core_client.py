@@ -11,6 +11,7 @@ once on its intake channel; the in-process client keeps them in a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.llm_engine import make_engine_core
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.errors import EngineDeadError, StepFailedError
+from rayvllm.errors import EngineDeadError, PlacementError, StepFailedError
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.request import EngineCoreRequest
 
@@ -118,6 +119,11 @@ class CoreRestarts:
         self.output_processor = output_processor
         self.in_a_row = 0
         self.total = 0
+        # time.monotonic() when the current replacement began, else None.
+        self.restarting_since: float | None = None
+        # Set by the engine's shutdown: stop waiting for room.
+        self.closed = False
+        self.last_duration_s: float | None = None
 
     def step_done(self) -> None:
         self.in_a_row = 0
@@ -142,8 +148,23 @@ class CoreRestarts:
             "engine core failed (%s); starting a new one and resuming %d requests",
             failure, sum(len(group) for group in requests),
         )
+        self.restarting_since = time.monotonic()
         try:
-            self.client.restart(requests)
-        except Exception as e:  # noqa: BLE001 - Ray reports a failed start in many types
-            raise failure from e
+            while True:
+                try:
+                    self.client.restart(requests)
+                    break
+                except PlacementError as e:
+                    # No room for the engine now (a node lost, say): the
+                    # requests wait, health says so, and each attempt waits
+                    # placement_group_timeout_s for capacity to come back.
+                    if self.closed:
+                        raise failure from e
+                    logger.warning("no room for a new engine core yet (%s); trying again", e)
+                except Exception as e:  # noqa: BLE001 - Ray reports a failed start in many types
+                    raise failure from e
+        finally:
+            self.last_duration_s = time.monotonic() - self.restarting_since
+            self.restarting_since = None
         self.total += 1
+        logger.warning("new engine core ready after %.1f s", self.last_duration_s)
