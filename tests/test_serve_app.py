@@ -350,3 +350,36 @@ def test_killed_engine_costs_no_request(server: ServeProcess, offline: LLM) -> N
     successors = server.descendant_pids("ray::SchedulerActor")
     assert len(successors) == 1 and successors != engines
     assert _metrics()["rayvllm:engine_restarts_total"] == 1.0
+
+
+def test_killed_replica_is_replaced_and_its_client_gets_an_error(server: ServeProcess) -> None:
+    """After the test above: the LLMServer replica itself is killed while a
+    client streams from it. The client's stream breaks (an error, never a
+    hang); Serve starts a new replica, which serves; the old replica's
+    engine is gone with it, and only the new one's is left."""
+    replicas = server.descendant_pids("ray::ServeReplica")
+    assert len(replicas) == 1
+    old_engines = server.descendant_pids("ray::SchedulerActor")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with pytest.raises(requests.exceptions.RequestException):
+        with requests.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, stream=True, timeout=120) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 2:
+                    os.kill(replicas[0], signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if requests.get(f"{BASE_URL}/health", timeout=10).status_code == 200:
+                break
+        except requests.exceptions.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, "no healthy replica after the kill"
+        time.sleep(0.5)  # polling an external server's state, not synchronisation
+    r = requests.post(f"{BASE_URL}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3},
+                      headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    new_replicas = server.descendant_pids("ray::ServeReplica")
+    assert len(new_replicas) == 1 and new_replicas != replicas
+    engines = server.descendant_pids("ray::SchedulerActor")
+    assert len(engines) == 1 and not set(engines) & set(old_engines)

@@ -57,6 +57,10 @@ def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
         # clients reach this one directly, so only in-flight requests need
         # the wait (drain_timeout_s), and Ctrl-C returns in seconds.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+        # Serve holds a released port back from new replicas (150 s by
+        # default, for an HAProxy in front to let go of it); with one port
+        # and no HAProxy that would keep a replaced replica off the air.
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
     }
 
 
