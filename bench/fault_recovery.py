@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PRESETS, build_model, cpu_line, ensure_repo_on_path  # noqa: E402
+from _common import PRESETS, build_model, cpu_line, ensure_repo_on_path, format_table  # noqa: E402
 
 ensure_repo_on_path()
 
@@ -148,12 +148,14 @@ def main() -> None:
         rows.append({"scenario": scenario, "lost": lost, **result})
     print(f"{cpu_line()}; model {model}; {args.streams} streams x {args.max_tokens} tokens, fault after "
           f"{args.kill_after}")
-    print(f"{'scenario':<18} {'in flight':>9} {'lost':>4} {'restarts':>8} {'restart s':>9} {'stall s':>7}  poisoned request")
-    for r in rows:
-        restart = f"{r['restart_s']:.2f}" if r["restart_s"] is not None else "-"
-        stall = f"{r['stall_s']:.2f}" if r["stall_s"] is not None else "-"
-        print(f"{r['scenario']:<18} {r['in_flight']:>9} {r['lost']:>4} {r['restarts']:>8} {restart:>9} {stall:>7}  "
-              f"{r['poisoned_request'] or '-'}")
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    print(format_table(
+        ["scenario", "in flight", "lost", "restarts", "restart s", "stall s", "poisoned request"],
+        [[r["scenario"], str(r["in_flight"]), str(r["lost"]), str(r["restarts"]), seconds(r["restart_s"]), seconds(r["stall_s"]),
+          r["poisoned_request"] or "-"] for r in rows],
+    ))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
 
