@@ -25,7 +25,7 @@ from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.engine_args import EngineArgs  # noqa: E402
 from rayvllm.errors import RequestFailedError  # noqa: E402
 
-from fault_hooks import POISON_SEED  # noqa: E402
+from fault_hooks import HANG_FLAG_ENV, HANG_SEED, POISON_SEED  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 6)]
@@ -36,15 +36,18 @@ PARAMS = [GREEDY, GREEDY, SEEDED]
 
 
 @pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    # Every Ray worker process gets the poison of fault_hooks.py (only a
-    # request seeded with POISON_SEED triggers it).
+def hang_flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hang") / "hung-once"
+
+
+@pytest.fixture(scope="module")
+def ray_local(hang_flag: Path) -> Iterator[None]:
+    # Every Ray worker process gets the faults of fault_hooks.py (each only
+    # triggered by a request with its own seed).
     tests_dir = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=4, log_to_driver=False,
-        runtime_env={"worker_process_setup_hook": "fault_hooks.poison_seed", "env_vars": {"PYTHONPATH": path}},
-    )
+    env = {"PYTHONPATH": path, HANG_FLAG_ENV: str(hang_flag)}
+    ray.init(num_cpus=4, log_to_driver=False, runtime_env={"worker_process_setup_hook": "fault_hooks.install", "env_vars": env})
     yield
     ray.shutdown()
 
@@ -193,3 +196,42 @@ def test_a_request_that_fails_its_step_fails_alone(
     assert isinstance(error, RequestFailedError)
     assert restarts == 1
     assert tokens == undisturbed and after == undisturbed[0]
+
+
+def test_a_hung_step_ends_the_engine_and_the_requests_resume(
+    ray_local: None, hang_flag: Path, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """A step that never returns (fault_hooks.hang_once, a live but wedged
+    worker): after step_timeout_s the engine is ended and replaced, and
+    every stream, the one that met the hang included, finishes."""
+
+    async def main() -> tuple[list[list[int]], int, int]:
+        engine = AsyncLLM(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE).create_engine_config(),
+            step_timeout_s=3.0,
+        )
+        try:
+            tokens: list[list[int]] = [[] for _ in PROMPTS]
+            hung: list[int] = []
+
+            async def consume(i: int) -> None:
+                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+                    tokens[i] += out.outputs[0].token_ids
+                    if i == 0 and len(tokens[0]) >= 5 and not hung:
+                        hung.append(0)
+                        await hanging()
+
+            async def hanging() -> None:
+                params = SamplingParams(temperature=1.0, seed=HANG_SEED, max_tokens=8, ignore_eos=True)
+                async for out in engine.generate({"prompt_token_ids": [11, 12, 13]}, params, "hanging"):
+                    hung[0] += len(out.outputs[0].token_ids)
+
+            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            return tokens, hung[0], engine.restarts.total
+        finally:
+            engine.shutdown()
+
+    tokens, hanging_tokens, restarts = asyncio.run(main())
+    assert hang_flag.exists() and restarts == 1
+    assert hanging_tokens == 8
+    assert tokens == undisturbed

@@ -15,6 +15,7 @@ while a step may be running on the step thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +33,12 @@ from rayvllm.processor import Processor, PromptType
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
 
+logger = logging.getLogger(__name__)
+
 # A step that has not returned after this long means the engine is wedged
-# (a forward on this box takes milliseconds; a cold prefill seconds).
-STEP_STALL_S = 60.0
+# (a forward takes milliseconds, a cold prefill seconds); vLLM's
+# VLLM_ENGINE_ITERATION_TIMEOUT_S is the same default.
+STEP_TIMEOUT_S = 60.0
 # Scheduler stats cost a round trip on the Ray path; gauges need no more.
 STATS_INTERVAL_S = 1.0
 
@@ -77,10 +81,13 @@ class RequestStream:
 class AsyncLLM:
     """Serving front of the engine. `max_pending_requests` bounds user
     requests admitted but unfinished (None: no bound); beyond it `generate`
-    raises `EngineOverloadedError` (HTTP 503)."""
+    raises `EngineOverloadedError` (HTTP 503). A step still running after
+    `step_timeout_s` is taken for a hang: the engine is ended (a Ray engine
+    is then replaced and its requests resumed) and health says so."""
 
     def __init__(
-        self, config: EngineConfig, max_pending_requests: int | None = None, reserved_pg: Any = None
+        self, config: EngineConfig, max_pending_requests: int | None = None, reserved_pg: Any = None,
+        step_timeout_s: float = STEP_TIMEOUT_S,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -93,6 +100,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
         self.max_pending_requests = max_pending_requests
+        self.step_timeout_s = step_timeout_s
         self.engine_core: EngineCoreClient = make_client(config, reserved_pg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -238,8 +246,14 @@ class AsyncLLM:
                 if want_stats:
                     self._last_stats = now
                 self._step_started = now
+                step = loop.run_in_executor(self._thread, self._step_core, want_stats)
                 try:
-                    core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, want_stats)
+                    done, _ = await asyncio.wait({step}, timeout=self.step_timeout_s)
+                    if not done:
+                        # The thread in `step` then sees the engine die.
+                        logger.warning("an engine step has run for over %.0f s; ending the engine", self.step_timeout_s)
+                        self.engine_core.kill()
+                    core_outputs, stats = await step
                 except EngineDeadError as failure:
                     self._step_started = None
                     for request_id in self.restarts.drop_culprits(failure):
@@ -305,8 +319,8 @@ class AsyncLLM:
             # Its requests wait for the new core (which may wait for resources).
             raise EngineDeadError("the engine is restarting after a failure")
         started = self._step_started
-        if started is not None and time.monotonic() - started > STEP_STALL_S:
-            raise EngineDeadError(f"an engine step has run for over {STEP_STALL_S:.0f} s")
+        if started is not None and time.monotonic() - started > self.step_timeout_s:
+            raise EngineDeadError(f"an engine step has run for over {self.step_timeout_s:.0f} s")
         try:
             await asyncio.to_thread(self.engine_core.check_health)
         except EngineDeadError:

@@ -54,6 +54,12 @@ class EngineCoreClient(Protocol):
         `EngineDeadError` when the core cannot be replaced."""
         ...
 
+    def kill(self) -> None:
+        """End a hung core at once, from any thread: a `step` waiting on it
+        raises `EngineDeadError`. (An in-process core cannot be ended
+        under its own step; there this does nothing.)"""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -85,6 +91,9 @@ class InprocClient:
 
     def check_health(self) -> None:
         self.core.check_health()
+
+    def kill(self) -> None:
+        pass  # the step runs on this process's thread; nothing can end it
 
     def restart(self, requests: list[list[EngineCoreRequest]]) -> None:
         # The core shares this process: what killed it is no worker's fault

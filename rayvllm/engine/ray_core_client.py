@@ -177,6 +177,11 @@ class RayEngineCoreClient:
     def check_health(self) -> None:
         ray.get(self.actor.check_health.remote())
 
+    def kill(self) -> None:
+        actor = self.actor
+        if actor is not None:
+            ray.kill(actor)  # its connection closes: `step` raises EngineDeadError
+
     def shutdown(self) -> None:
         if self.actor is None:
             return

@@ -176,6 +176,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         max_pending_requests=server.max_pending_requests,
         max_request_bytes=server.max_request_bytes,
         trust_request_chat_template=server.trust_request_chat_template,
+        step_timeout_s=server.step_timeout_s,
     )
 
 

@@ -30,6 +30,10 @@ class ServerArgs(BaseModel):
     # Serve stops routing to a replica that shuts down, waits for its
     # requests up to this long, then stops it (its graceful_shutdown_timeout_s).
     drain_timeout_s: float = Field(30.0, description="on shutdown, how long in-flight requests get to finish")
+    step_timeout_s: float | None = Field(
+        None, description="an engine step running longer is taken for a hang: the engine is restarted, "
+        "its requests resumed (default: AsyncLLM's STEP_TIMEOUT_S, 60 s)",
+    )
     # A template is code, run (sandboxed) on the replica.
     trust_request_chat_template: bool = Field(
         False, description="accept a chat_template in requests (vLLM's name; off by default)"

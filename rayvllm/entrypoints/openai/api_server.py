@@ -120,6 +120,7 @@ class LLMServer:
         max_pending_requests: int | None = None,
         max_request_bytes: int | None = None,
         trust_request_chat_template: bool = False,
+        step_timeout_s: float | None = None,
     ) -> None:
         """Server options as `server_args.ServerArgs` documents them
         (its defaults are the served ones; None here means no limit)."""
@@ -132,7 +133,8 @@ class LLMServer:
             max_pending_requests = PENDING_PER_SEQ * config.scheduler_config.max_num_seqs
         # Serve reserved the workers' bundles with this replica (build_app).
         self.engine = AsyncLLM(
-            config, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group()
+            config, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group(),
+            **({} if step_timeout_s is None else {"step_timeout_s": step_timeout_s}),
         )
         self.serving = OpenAIServing(
             self.engine, [self.engine.served_model_name], self.engine.max_model_len,
