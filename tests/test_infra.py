@@ -138,7 +138,6 @@ def test_rayservice_runs_build_app_with_engine_args() -> None:
     # serveConfigV2 is a string holding YAML, exactly as KubeRay expects.
     serve_config = yaml.safe_load(doc["spec"]["serveConfigV2"])
     (app,) = serve_config["applications"]
-    assert app["name"] == "rayvllm"
     assert app["import_path"] == "serve_app:build_app"
     assert app["args"]["model"].startswith("/models/")
     assert app["args"]["tensor_parallel_size"] == 1
@@ -251,3 +250,65 @@ def test_dashboard_structure() -> None:
             # Filtered by the Model variable, so multi-model setups split cleanly.
             for name in METRIC_RE.findall(t["expr"]):
                 assert f'{name}{{model_name=~"$model_name"}}' in t["expr"], (p["title"], name)
+
+
+# ---------------------------------------------------------------- cluster launcher
+
+
+def ray_schema() -> dict[str, Any]:
+    import ray
+
+    return json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+
+
+LAUNCHER_CONFIGS = [ROOT / "cluster.yaml", INFRA / "cluster-local.yaml"]
+
+
+@pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
+def test_cluster_launcher_config_passes_rays_schema(path: Path) -> None:
+    import jsonschema
+
+    jsonschema.validate(yaml.safe_load(path.read_text()), ray_schema())
+
+
+def _pinned_ray(text: str) -> set[str]:
+    return set(re.findall(r"ray\[serve\]==([0-9.]+)", text))
+
+
+@pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
+def test_cluster_launcher_config_installs_what_its_commands_run(path: Path) -> None:
+    """Ray is pinned to the project's version, a C compiler is present for
+    the CPU kernels, every Ray or Serve command runs from the virtualenv the
+    setup made, and the head deploys the Serve config."""
+    config = yaml.safe_load(path.read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (pin,) = _pinned_ray(" ".join(project["project"]["dependencies"]))
+    setup = " ".join(config.get("setup_commands", []) + config.get("head_setup_commands", []))
+    assert _pinned_ray(setup) == {pin}
+    assert "build-essential" in setup and "uv venv" in setup and "--python 3.11" in setup
+    venv = re.search(r"uv venv \S+ --python 3.11 (\S+)", setup).group(1)
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    for command in starts:
+        for word in re.findall(r"\S*\b(?:ray|serve) (?:start|stop|deploy)", command):
+            assert word.startswith(f"{venv}/bin/"), command
+    assert any("serve deploy serve_config.yaml" in c for c in config["head_start_ray_commands"])
+    assert (ROOT / "serve_config.yaml").exists()
+
+
+def test_rayservice_app_is_the_default_one_with_a_bounded_context() -> None:
+    from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME
+
+    service = yaml.safe_load((INFRA / "kuberay" / "rayservice.yaml").read_text())
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert app["name"] == DEFAULT_APP_NAME
+    assert EngineArgs.from_dict(app["args"]).max_model_len is not None
+
+
+def test_one_ray_version_everywhere() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (pin,) = _pinned_ray(" ".join(project["project"]["dependencies"]))
+    import ray
+
+    assert ray.__version__ == pin
+    service = yaml.safe_load((INFRA / "kuberay" / "rayservice.yaml").read_text())
+    assert service["spec"]["rayClusterConfig"]["rayVersion"] == pin
