@@ -314,6 +314,22 @@ def test_rayservice_app_is_the_default_one_with_a_bounded_context() -> None:
     assert EngineArgs.from_dict(app["args"]).max_model_len is not None
 
 
+def test_rayservice_serves_the_app_of_serve_config() -> None:
+    """serve_config.yaml and the RayService's serveConfigV2 describe the
+    same application (name, route, import path, HTTP port); only the model
+    and its sizes may differ, and every arg is one the app accepts."""
+    from rayvllm.entrypoints.serve_builder import split_args
+
+    local = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    service = yaml.safe_load((INFRA / "kuberay" / "rayservice.yaml").read_text())
+    kube = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert local["http_options"]["port"] == kube["http_options"]["port"]
+    (a,), (b,) = local["applications"], kube["applications"]
+    assert {k: a[k] for k in ("name", "route_prefix", "import_path")} == {k: b[k] for k in ("name", "route_prefix", "import_path")}
+    for app in (a, b):
+        split_args(app["args"])  # raises on an unknown argument
+
+
 def test_one_ray_version_everywhere() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     (pin,) = _pinned_ray(" ".join(project["project"]["dependencies"]))
