@@ -23,7 +23,7 @@ from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.engine_args import EngineArgs  # noqa: E402
-from rayvllm.errors import RequestFailedError  # noqa: E402
+from rayvllm.errors import EngineDeadError, RequestFailedError  # noqa: E402
 
 from fault_hooks import HANG_FLAG_ENV, HANG_SEED, POISON_SEED  # noqa: E402
 
@@ -103,6 +103,42 @@ def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
     assert _alive("SchedulerActor") == []
     assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
+
+
+@pytest.mark.parametrize("notice", ["health check", "new request"])
+def test_an_engine_killed_while_idle_is_replaced(
+    ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]], notice: str
+) -> None:
+    """Killed with nothing running, no step notices: the next health check
+    (503 once) or the next request's send finds it, the engine is replaced,
+    and the next request runs exactly."""
+
+    async def main() -> tuple[list[int], bool, int]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            await engine.check_health()
+            (victim,) = _alive("SchedulerActor")
+            os.kill(victim.pid, signal.SIGKILL)
+            reported = False
+            if notice == "health check":
+                while not reported:  # the first check after the death reports it
+                    try:
+                        await engine.check_health()
+                    except EngineDeadError:
+                        reported = True
+            tokens: list[int] = []
+            async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "next"):
+                tokens += out.outputs[0].token_ids
+            await engine.check_health()
+            return tokens, reported, engine.restarts.total
+        finally:
+            engine.shutdown()
+
+    tokens, reported, restarts = asyncio.run(main())
+    assert tokens == undisturbed[0] and restarts == 1
+    assert reported == (notice == "health check")
 
 
 @pytest.mark.parametrize("victim_name", ["WorkerActor(rank=1)", "SchedulerActor"])

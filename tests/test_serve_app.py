@@ -328,9 +328,11 @@ def test_killed_engine_costs_no_request(server: ServeProcess, offline: LLM) -> N
     engines = server.descendant_pids("ray::SchedulerActor")
     assert len(engines) == 1, engines
     assert server.descendant_pids("ray::WorkerActor") == []
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+    # 2,000 tokens: seconds of decoding, so the engine is still generating
+    # when the client has read five events and kills it.
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
     expected = offline.generate(
-        [PROMPT], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False
+        [PROMPT], SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True), use_tqdm=False
     )[0].outputs[0].text
     text, events = "", 0
     with requests.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, stream=True, timeout=120) as r:

@@ -110,6 +110,7 @@ class AsyncLLM:
         self._step_started: float | None = None
         self._last_stats = 0.0
         self.restarts = CoreRestarts(self.engine_core, self.output_processor)
+        self._core_failure: EngineDeadError | None = None
         self.dead_error: BaseException | None = None
         self._closed = False
 
@@ -157,6 +158,10 @@ class AsyncLLM:
         self._queues[request_id] = queue
         try:
             self.engine_core.add_requests(core_reqs)
+        except EngineDeadError as e:
+            # The core died while idle; the request stays in the table and
+            # goes to the new core with the others.
+            self._core_failed(e)
         except BaseException:
             self._queues.pop(request_id, None)
             self.output_processor.abort_requests(self.output_processor.child_request_ids([request_id]))
@@ -230,7 +235,11 @@ class AsyncLLM:
             self._wakeup.set()
 
     def _has_work(self) -> bool:
-        return self.engine_core.has_pending_intake() or self.output_processor.has_unfinished_requests()
+        return (
+            self._core_failure is not None
+            or self.engine_core.has_pending_intake()
+            or self.output_processor.has_unfinished_requests()
+        )
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -240,6 +249,11 @@ class AsyncLLM:
                 if not self._has_work():
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                    continue
+                if self._core_failure is not None:
+                    # Found outside a step (an idle engine's health check, a send).
+                    failure, self._core_failure = self._core_failure, None
+                    await self._replace_core(failure)
                     continue
                 now = time.monotonic()
                 want_stats = now - self._last_stats >= STATS_INTERVAL_S
@@ -256,14 +270,7 @@ class AsyncLLM:
                     core_outputs, stats = await step
                 except EngineDeadError as failure:
                     self._step_started = None
-                    for request_id in self.restarts.drop_culprits(failure):
-                        self._started.discard(request_id)
-                        queue = self._queues.get(request_id)
-                        if queue is not None:
-                            queue.put_nowait(RequestFailedError(f"request {request_id} failed: {failure}"))
-                    requests = self.output_processor.resumable_requests()
-                    await loop.run_in_executor(self._thread, self.restarts.replace_core, failure, requests)
-                    self.metrics.record_restart()
+                    await self._replace_core(failure)
                     continue
                 self._step_started = None
                 self.restarts.step_done()
@@ -277,6 +284,24 @@ class AsyncLLM:
             dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine loop failed: {e!r}")
             for queue in self._queues.values():
                 queue.put_nowait(dead)
+
+    async def _replace_core(self, failure: EngineDeadError) -> None:
+        """Fail the requests `failure` blames, then a new core with every
+        other unfinished request resumed on it (`CoreRestarts`)."""
+        for request_id in self.restarts.drop_culprits(failure):
+            self._started.discard(request_id)
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestFailedError(f"request {request_id} failed: {failure}"))
+        requests = self.output_processor.resumable_requests()
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.restarts.replace_core, failure, requests)
+        self.metrics.record_restart()
+
+    def _core_failed(self, failure: EngineDeadError) -> None:
+        """The core was found dead outside a step: the loop replaces it."""
+        if self._core_failure is None and self.restarts.restarting_since is None:
+            self._core_failure = failure
+            self._wake()
 
     def _step_core(self, want_stats: bool) -> tuple[list[EngineCoreOutput], SchedulerStats | None]:
         core = self.engine_core
@@ -323,10 +348,11 @@ class AsyncLLM:
             raise EngineDeadError(f"an engine step has run for over {self.step_timeout_s:.0f} s")
         try:
             await asyncio.to_thread(self.engine_core.check_health)
-        except EngineDeadError:
-            raise
         except Exception as e:  # noqa: BLE001 - a dead actor surfaces as many Ray error types
-            raise EngineDeadError(f"a worker failed its health check: {e!r}") from e
+            failure = e if isinstance(e, EngineDeadError) else EngineDeadError(f"a worker failed its health check: {e!r}")
+            if self._step_started is None:
+                self._core_failed(failure)  # idle: nothing else would notice
+            raise failure from e
 
     async def refresh_stats(self) -> None:
         """Fresh gauges (running, waiting, KV usage) for a scrape, even while
