@@ -295,6 +295,8 @@ class AsyncLLM:
                 queue.put_nowait(RequestFailedError(f"request {request_id} failed: {failure}"))
         requests = self.output_processor.resumable_requests()
         await asyncio.get_running_loop().run_in_executor(self._thread, self.restarts.replace_core, failure, requests)
+        # A failure found meanwhile (a health check) was this one.
+        self._core_failure = None
         self.metrics.record_restart()
 
     def _core_failed(self, failure: EngineDeadError) -> None:
