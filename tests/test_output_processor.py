@@ -677,3 +677,27 @@ def test_request_detokenizer_direct(tok: Any) -> None:
     assert detok.output_text == " hello "
     assert detok.get_next_output_text(finished=True, delta=True) == " "
     assert detok.update(enc(tok, " more"), stop_terminated=False) is None  # done: ignored
+
+
+def test_resumed_request_carries_its_tokens_and_repeats_no_prompt_logprob(tok: Any, processor: Processor) -> None:
+    """After an engine restart the new core recomputes the prompt and sends
+    its prompt logprob rows again: the rows already held are skipped, the
+    missing ones kept, and the resumed request carries every token so far."""
+    prompt = " the house is small"
+    op = OutputProcessor(tok)
+    req = processor.process("r", prompt, SamplingParams(prompt_logprobs=0, max_tokens=6), arrival_time=1.0)
+    op.add_request(req, prompt, output_kind=DELTA)
+    p = req.prompt_token_ids
+    rows = make_rows(p[1:], [[t] for t in p[1:]])
+    # The old core: positions 1-2 of the prompt (a chunk), then it dies.
+    op.process_outputs([EngineCoreOutput("r", [], new_prompt_logprobs=rows.slice(0, 2))])
+    ((resumed,),) = op.resumable_requests()
+    assert resumed.output_token_ids == [] and resumed.prompt_token_ids == p
+    # The new core: all prompt positions again, with two tokens.
+    gen = enc(tok, " ray is")[:2]
+    out = op.process_outputs([EngineCoreOutput("r", gen, new_prompt_logprobs=rows)]).request_outputs[0]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == 1  # only position 3 is new
+    ((again,),) = op.resumable_requests()
+    assert again.output_token_ids == gen and again.sampling_params is req.sampling_params
+    # Failing a request drops it (every child of an n > 1 request) with no output.
+    assert op.drop_requests(["r", "unknown"]) == ["r"] and not op.has_unfinished_requests()
