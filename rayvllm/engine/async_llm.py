@@ -87,7 +87,7 @@ class AsyncLLM:
 
     def __init__(
         self, config: EngineConfig, max_pending_requests: int | None = None, reserved_pg: Any = None,
-        step_timeout_s: float = STEP_TIMEOUT_S,
+        step_timeout_s: float | None = None,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -100,13 +100,14 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
         self.max_pending_requests = max_pending_requests
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
         self.engine_core: EngineCoreClient = make_client(config, reserved_pg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._started: set[str] = set()  # user requests whose prompt tokens were counted
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
         self._step_started: float | None = None
         self._last_stats = 0.0
         self.restarts = CoreRestarts(self.engine_core, self.output_processor)
@@ -228,7 +229,9 @@ class AsyncLLM:
             raise EngineDeadError("the engine was shut down")
         if self._loop_task is None:
             self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="rayvllm-engine-loop")
+            loop = asyncio.get_running_loop()
+            self._loop_task = loop.create_task(self._run(), name="rayvllm-engine-loop")
+            self._watchdog_task = loop.create_task(self._watch_steps(), name="rayvllm-step-watchdog")
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -260,14 +263,8 @@ class AsyncLLM:
                 if want_stats:
                     self._last_stats = now
                 self._step_started = now
-                step = loop.run_in_executor(self._thread, self._step_core, want_stats)
                 try:
-                    done, _ = await asyncio.wait({step}, timeout=self.step_timeout_s)
-                    if not done:
-                        # The thread in `step` then sees the engine die.
-                        logger.warning("an engine step has run for over %.0f s; ending the engine", self.step_timeout_s)
-                        self.engine_core.kill()
-                    core_outputs, stats = await step
+                    core_outputs, stats = await loop.run_in_executor(self._thread, self._step_core, want_stats)
                 except EngineDeadError as failure:
                     self._step_started = None
                     await self._replace_core(failure)
@@ -284,6 +281,19 @@ class AsyncLLM:
             dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine loop failed: {e!r}")
             for queue in self._queues.values():
                 queue.put_nowait(dead)
+
+    async def _watch_steps(self) -> None:
+        """End the engine when a step runs past `step_timeout_s` (a hang):
+        the thread in `step` then sees the engine die and the loop replaces
+        it. Looks a few times per timeout, off the per-step path."""
+        ended_step: float | None = None
+        while True:
+            await asyncio.sleep(self.step_timeout_s / 4)
+            started = self._step_started
+            if started is not None and started != ended_step and time.monotonic() - started > self.step_timeout_s:
+                ended_step = started
+                logger.warning("an engine step has run for over %.0f s; ending the engine", self.step_timeout_s)
+                self.engine_core.kill()
 
     async def _replace_core(self, failure: EngineDeadError) -> None:
         """Fail the requests `failure` blames, then a new core with every
@@ -372,8 +382,9 @@ class AsyncLLM:
             return
         self._closed = True
         self.restarts.closed = True
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
         # The step thread may be inside the core; shut the core down after it.
         self._thread.submit(self.engine_core.shutdown).result()
         self._thread.shutdown(wait=True)

@@ -51,7 +51,9 @@ class _PendingStep:
         pending = dict(enumerate(ex.channels))
         outputs: dict[int, ModelRunnerOutput] = {}
         while pending:
-            ready = wait([channel.connection for channel in pending.values()])
+            connections = [channel.connection for channel in pending.values()]
+            # One left: its reply is next in any case (no poll syscall).
+            ready = connections if len(connections) == 1 else wait(connections)
             for rank, channel in list(pending.items()):
                 if channel.connection not in ready:
                     continue

@@ -134,7 +134,7 @@ class LLMServer:
         # Serve reserved the workers' bundles with this replica (build_app).
         self.engine = AsyncLLM(
             config, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group(),
-            **({} if step_timeout_s is None else {"step_timeout_s": step_timeout_s}),
+            step_timeout_s=step_timeout_s,
         )
         self.serving = OpenAIServing(
             self.engine, [self.engine.served_model_name], self.engine.max_model_len,
