@@ -10,10 +10,14 @@ from functools import lru_cache
 import torch
 
 from rayvllm.kernels.cbuild import load_library
+from rayvllm.kernels.cpu_isa import selected_isa
 
 # No FMA contraction: the rotation then rounds exactly like torch's
 # elementwise mul/sub, keeping the C path bit-identical to the torch one.
-_FLAGS = ["-ffp-contract=off"]
+# No trapping math: without AVX-512's masked lanes GCC keeps a loop with a
+# select around float arithmetic (SiLU's exp) scalar unless told that float
+# ops raise no traps; values are unchanged, only FP exception flags differ.
+_FLAGS = ["-ffp-contract=off", "-fno-trapping-math"]
 
 
 @lru_cache(maxsize=None)
@@ -31,6 +35,14 @@ def _library(isa: str | None = None) -> ctypes.CDLL | None:
 
 def available(isa: str | None = None) -> bool:
     return _library(isa) is not None
+
+
+def silu_and_mul_ahead(isa: str | None = None) -> bool:
+    """Whether the C SiLU beats torch's on this variant. The portable build
+    has no vector rounding or blend (x86-64 baseline), so its SiLU runs
+    several times slower than torch's own vectorised one; the AVX2 and
+    AVX-512 builds are ahead at every row count (docs/BENCHMARKS.md)."""
+    return available(isa) and (isa or selected_isa()) != "portable"
 
 
 def add_rms_norm(

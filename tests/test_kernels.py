@@ -185,6 +185,27 @@ def test_silu_and_mul_matches_torch(isa: str) -> None:
     torch.testing.assert_close(cpu_ops.silu_and_mul(rows, isa=isa), F.silu(gate) * up, atol=1e-6, rtol=2e-6)
 
 
+def test_silu_runs_in_c_only_where_it_beats_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable build's SiLU is slower than torch's (no vector round or
+    blend on the x86-64 baseline): a model on that variant keeps torch's."""
+    from rayvllm.distributed.parallel_state import ParallelContext
+    from rayvllm.kernels import cpu_ops
+    from rayvllm.layers.layernorm import RMSNorm
+    from rayvllm.models import llama
+
+    if not cpu_ops.available("portable"):
+        pytest.skip("no C compiler")
+    assert not cpu_ops.silu_and_mul_ahead("portable")
+    for isa in ("avx512", "avx2"):
+        if cpu_info().supports(isa) and cpu_ops.available(isa):
+            assert cpu_ops.silu_and_mul_ahead(isa)
+    monkeypatch.setattr(cpu_ops, "silu_and_mul_ahead", lambda isa=None: False)
+    mlp = llama.LlamaMLP(8, 16, ParallelContext())
+    rms = RMSNorm(8, 1e-6)
+    llama.LlamaForCausalLM.optimize_for_cpu(torch.nn.ModuleList([mlp, rms]), use_c_kernels=True)  # type: ignore[arg-type]
+    assert rms.use_c_kernel and not mlp.use_c_kernel
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 2, 32), (6, 6, 48)])
 def test_fused_rope_and_cache_matches_torch(isa: str, heads: int, kv_heads: int, head_size: int) -> None:

@@ -208,8 +208,10 @@ class LlamaForCausalLM(nn.Module):
         backend allows it (`fused_kv_write`), RoPE + KV write."""
         gemm_select.plan_modules([m for m in self.modules() if isinstance(m, (Linear, ParallelLMHead))], use_c_kernels)
         for module in self.modules():
-            if use_c_kernels and isinstance(module, (RMSNorm, LlamaMLP)):
+            if use_c_kernels and isinstance(module, RMSNorm):
                 module.use_c_kernel = True
+            elif use_c_kernels and isinstance(module, LlamaMLP):
+                module.use_c_kernel = cpu_ops.silu_and_mul_ahead()
             elif use_c_kernels and fused_kv_write and isinstance(module, LlamaAttention):
                 module.use_c_kernels = True
 
