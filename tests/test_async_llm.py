@@ -134,6 +134,29 @@ def test_overload_is_refused(tiny_model_dir: Path) -> None:
     assert len(_run(tiny_model_dir, body, max_pending_requests=1)) == 12
 
 
+def test_queued_prompt_tokens_are_bounded(tiny_model_dir: Path) -> None:
+    """`max_pending_prompt_tokens` counts prompts admitted with no output
+    yet: a request that would pass it is refused (503) while the first one
+    waits for prefill, and admitted once that one's first token is out."""
+    first_prompt, second_prompt = PROMPTS[0], PROMPTS[1]
+    limit = len(first_prompt) + len(second_prompt) - 1
+
+    async def body(engine: AsyncLLM) -> list[int]:
+        first = engine.add_request({"prompt_token_ids": first_prompt}, GREEDY, "a")
+        with pytest.raises(EngineOverloadedError, match="max_pending_prompt_tokens"):
+            engine.add_request({"prompt_token_ids": second_prompt}, GREEDY, "b")
+        tokens = list((await anext(first)).outputs[0].token_ids)
+        second = engine.add_request({"prompt_token_ids": second_prompt}, GREEDY, "b")
+        async for out in first:
+            tokens += out.outputs[0].token_ids
+        await first.aclose()
+        assert len([t async for out in second for t in out.outputs[0].token_ids]) == 12
+        await second.aclose()
+        return tokens
+
+    assert len(_run(tiny_model_dir, body, max_pending_prompt_tokens=limit)) == 12
+
+
 def test_n_and_final_only(tiny_model_dir: Path) -> None:
     async def body(engine: AsyncLLM) -> tuple[list[RequestOutput], dict[int, list[int]]]:
         params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=6, ignore_eos=True)

@@ -80,14 +80,18 @@ class RequestStream:
 
 class AsyncLLM:
     """Serving front of the engine. `max_pending_requests` bounds user
-    requests admitted but unfinished (None: no bound); beyond it `generate`
-    raises `EngineOverloadedError` (HTTP 503). A step still running after
+    requests admitted but unfinished, `max_pending_prompt_tokens` the prompt
+    tokens of admitted requests with no output yet (n copies counted n
+    times; a FINAL_ONLY request, whose first output is its last, until it
+    ends; a request is always admitted into an empty queue); None: no
+    bound. Beyond either, `add_request` raises `EngineOverloadedError`
+    (HTTP 503). A step still running after
     `step_timeout_s` is taken for a hang: the engine is ended (a Ray engine
     is then replaced and its requests resumed) and health says so."""
 
     def __init__(
         self, config: EngineConfig, max_pending_requests: int | None = None, reserved_pg: Any = None,
-        step_timeout_s: float | None = None,
+        step_timeout_s: float | None = None, max_pending_prompt_tokens: int | None = None,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -100,6 +104,10 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
         self.max_pending_requests = max_pending_requests
+        self.max_pending_prompt_tokens = max_pending_prompt_tokens
+        # Prompt tokens per admitted user request with no output yet, and their sum.
+        self._unprefilled: dict[str, int] = {}
+        self._unprefilled_tokens = 0
         self.step_timeout_s = STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
         self.engine_core: EngineCoreClient = make_client(config, reserved_pg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
@@ -117,9 +125,13 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, max_pending_requests: int | None = None, reserved_pg: Any = None
+        cls, args: EngineArgs, max_pending_requests: int | None = None, reserved_pg: Any = None,
+        max_pending_prompt_tokens: int | None = None,
     ) -> "AsyncLLM":
-        return cls(args.create_engine_config(), max_pending_requests=max_pending_requests, reserved_pg=reserved_pg)
+        return cls(
+            args.create_engine_config(), max_pending_requests=max_pending_requests, reserved_pg=reserved_pg,
+            max_pending_prompt_tokens=max_pending_prompt_tokens,
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -154,9 +166,18 @@ class AsyncLLM:
         core_reqs, prompt_text = self.processor.process_with_fanout(
             request_id, prompt, params, priority=priority, add_special_tokens=add_special_tokens
         )
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in core_reqs)
+        limit = self.max_pending_prompt_tokens
+        if limit is not None and self._unprefilled and self._unprefilled_tokens + prompt_tokens > limit:
+            raise EngineOverloadedError(
+                f"{self._unprefilled_tokens} prompt tokens are already waiting for prefill "
+                f"(max_pending_prompt_tokens={limit}); retry later"
+            )
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._unprefilled[request_id] = prompt_tokens
+        self._unprefilled_tokens += prompt_tokens
         try:
             self.engine_core.add_requests(core_reqs)
         except EngineDeadError as e:
@@ -165,6 +186,7 @@ class AsyncLLM:
             self._core_failed(e)
         except BaseException:
             self._queues.pop(request_id, None)
+            self._prefilled(request_id)
             self.output_processor.abort_requests(self.output_processor.child_request_ids([request_id]))
             raise
         self._wake()
@@ -198,6 +220,7 @@ class AsyncLLM:
     def _release(self, request_id: str, finished: bool) -> None:
         """A stream's end: forget its queue, and abort it unless it finished."""
         self._queues.pop(request_id, None)
+        self._prefilled(request_id)
         if not finished:
             self._abort_now(request_id)
 
@@ -300,6 +323,7 @@ class AsyncLLM:
         other unfinished request resumed on it (`CoreRestarts`)."""
         for request_id in self.restarts.drop_culprits(failure):
             self._started.discard(request_id)
+            self._prefilled(request_id)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(RequestFailedError(f"request {request_id} failed: {failure}"))
@@ -330,12 +354,19 @@ class AsyncLLM:
             if out.request_id not in self._started:
                 self._started.add(out.request_id)
                 prompt_tokens += len(out.prompt_token_ids)
+                self._prefilled(out.request_id)
             self._deliver(out, notify=True)
         self.metrics.record_tokens(prompt_tokens, generation_tokens)
+
+    def _prefilled(self, request_id: str) -> None:
+        """The request's prompt leaves the admission count (its first output
+        came, or it ended before one)."""
+        self._unprefilled_tokens -= self._unprefilled.pop(request_id, 0)
 
     def _deliver(self, out: RequestOutput, notify: bool) -> None:
         if out.finished:
             self._started.discard(out.request_id)
+            self._prefilled(out.request_id)
             self.metrics.record_finished(out)
         queue = self._queues.get(out.request_id)
         if notify and queue is not None:

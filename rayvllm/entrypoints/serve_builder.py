@@ -174,6 +174,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         given,
         api_key=server.api_key,
         max_pending_requests=server.max_pending_requests,
+        max_pending_prompt_tokens=server.max_pending_prompt_tokens,
         max_request_bytes=server.max_request_bytes,
         trust_request_chat_template=server.trust_request_chat_template,
         step_timeout_s=server.step_timeout_s,

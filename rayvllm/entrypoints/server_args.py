@@ -10,6 +10,17 @@ from pydantic import BaseModel, ConfigDict, Field
 # (max_num_seqs) unless `max_pending_requests` says otherwise: enough queue
 # to keep every slot busy, bounded so that a flood gets 503s, not memory.
 PENDING_PER_SEQ = 4
+# Prompt tokens admitted but not yet prefilled, unless
+# `max_pending_prompt_tokens` says otherwise: this many full prefill steps
+# (max_num_batched_tokens each), and room for a few max_model_len prompts.
+# Beyond it a queue is minutes of prefill that every new request would wait
+# behind: a 503 that a client or router can act on is kinder.
+PENDING_PREFILL_STEPS = 32
+PENDING_MAX_LEN_PROMPTS = 4
+
+
+def default_max_pending_prompt_tokens(max_num_batched_tokens: int, max_model_len: int) -> int:
+    return max(PENDING_PREFILL_STEPS * max_num_batched_tokens, PENDING_MAX_LEN_PROMPTS * max_model_len)
 
 
 class ServerArgs(BaseModel):
@@ -21,6 +32,11 @@ class ServerArgs(BaseModel):
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on the API routes")
     max_pending_requests: int | None = Field(
         None, description=f"answer 503 beyond this many unfinished requests (default {PENDING_PER_SEQ} x max_num_seqs)"
+    )
+    max_pending_prompt_tokens: int | None = Field(
+        None, description="answer 503 when a request would queue more than this many prompt tokens not yet "
+        f"prefilled (default max({PENDING_PREFILL_STEPS} x max_num_batched_tokens, "
+        f"{PENDING_MAX_LEN_PROMPTS} x max_model_len))",
     )
     # Each access-log line costs the replica and Ray's log monitor CPU that a
     # small machine's forward needs (vLLM: --disable-uvicorn-access-log).

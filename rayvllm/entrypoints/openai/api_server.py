@@ -30,7 +30,7 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
 )
 from rayvllm.entrypoints.openai.serving import OpenAIServing
-from rayvllm.entrypoints.server_args import PENDING_PER_SEQ
+from rayvllm.entrypoints.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
 from rayvllm.errors import AuthenticationError, EngineOverloadedError, InvalidParameterError, RequestTooLargeError
 from rayvllm.outputs import RequestOutput, RequestOutputKind
 from rayvllm.sampling_params import SamplingParams
@@ -118,6 +118,7 @@ class LLMServer:
         engine_args: dict[str, Any],
         api_key: str | None = None,
         max_pending_requests: int | None = None,
+        max_pending_prompt_tokens: int | None = None,
         max_request_bytes: int | None = None,
         trust_request_chat_template: bool = False,
         step_timeout_s: float | None = None,
@@ -131,9 +132,14 @@ class LLMServer:
         config = args.create_engine_config()
         if max_pending_requests is None:
             max_pending_requests = PENDING_PER_SEQ * config.scheduler_config.max_num_seqs
+        if max_pending_prompt_tokens is None:
+            max_pending_prompt_tokens = default_max_pending_prompt_tokens(
+                config.scheduler_config.max_num_batched_tokens, config.model_config.max_model_len
+            )
         # Serve reserved the workers' bundles with this replica (build_app).
         self.engine = AsyncLLM(
-            config, max_pending_requests=max_pending_requests, reserved_pg=ray.util.get_current_placement_group(),
+            config, max_pending_requests=max_pending_requests, max_pending_prompt_tokens=max_pending_prompt_tokens,
+            reserved_pg=ray.util.get_current_placement_group(),
             step_timeout_s=step_timeout_s,
         )
         self.serving = OpenAIServing(
