@@ -31,6 +31,7 @@ __all__ = [
     "TokensPrompt",
     "child_request_id",
     "fan_out",
+    "render_chat",
 ]
 
 DEFAULT_MAX_LOGPROBS = 20
@@ -70,6 +71,48 @@ def _check_template_flags(
         clash = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs))
         if clash:
             raise InvalidParameterError("chat_template_kwargs", f"may not set {', '.join(clash)}; use the dedicated arguments")
+
+
+def render_chat(
+    tokenizer: "PreTrainedTokenizerBase",
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """Render a conversation to prompt text with the chat template.
+
+    Message content may be a string, None, or OpenAI-style parts; text
+    parts are joined with newlines (the model is text-only).
+    `chat_template` overrides the tokenizer's; `chat_template_kwargs`
+    reach the template as extra variables (e.g. `enable_thinking`).
+    The text already holds the template's special tokens (BOS
+    included): tokenize it with add_special_tokens=False.
+    """
+    _check_template_flags(add_generation_prompt, continue_final_message, chat_template_kwargs)
+    conversation = _normalize_messages(messages)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InvalidParameterError("chat_template", "the model has no chat template; pass one explicitly")
+    tool_list: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools is not None else None
+    try:
+        rendered = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=template,
+            tools=tool_list,
+            **dict(chat_template_kwargs or {}),
+        )
+    except Exception as e:  # jinja2 errors, HF ValueErrors: all the client's input
+        raise InvalidParameterError("messages", f"cannot apply the chat template: {e}") from e
+    if not isinstance(rendered, str):
+        raise InvalidParameterError("messages", "the chat template did not render to text")
+    return rendered
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -280,36 +323,12 @@ class Processor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render a conversation to prompt text with the chat template.
-
-        Message content may be a string, None, or OpenAI-style parts; text
-        parts are joined with newlines (the model is text-only).
-        `chat_template` overrides the tokenizer's; `chat_template_kwargs`
-        reach the template as extra variables (e.g. `enable_thinking`).
-        The text already holds the template's special tokens (BOS
-        included): tokenize it with add_special_tokens=False.
-        """
-        _check_template_flags(add_generation_prompt, continue_final_message, chat_template_kwargs)
-        conversation = _normalize_messages(messages)
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise InvalidParameterError("chat_template", "the model has no chat template; pass one explicitly")
-        tool_list: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools is not None else None
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=template,
-                tools=tool_list,
-                **dict(chat_template_kwargs or {}),
-            )
-        except Exception as e:  # jinja2 errors, HF ValueErrors: all the client's input
-            raise InvalidParameterError("messages", f"cannot apply the chat template: {e}") from e
-        if not isinstance(rendered, str):
-            raise InvalidParameterError("messages", "the chat template did not render to text")
-        return rendered
+        """`render_chat` below with this processor's tokenizer."""
+        return render_chat(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs, tools=tools,
+        )
 
     def process_chat(
         self,

@@ -58,7 +58,7 @@ class Server:
     async def _call(self, route: str, body: dict[str, Any]) -> tuple[int, Any]:
         try:
             if route == "tokenize":
-                return 200, self.serving.tokenize(parse_tokenize_request(body)).model_dump(mode="json")
+                return 200, (await self.serving.tokenize(parse_tokenize_request(body))).model_dump(mode="json")
             if route == "detokenize":
                 return 200, self.serving.detokenize(parse_request(DetokenizeRequest, body)).model_dump(mode="json")
             if route == "chat":
@@ -186,10 +186,62 @@ def test_trusted_request_templates_still_render_sandboxed(server: Server) -> Non
         except Exception as e:  # noqa: BLE001
             return error_body(e)
 
-    status, reply = server.loop.run_until_complete(render("{{ ''.__class__.__mro__[1].__subclasses__() }}"))
-    assert status == 400 and reply["error"]["param"] == "messages" and "unsafe" in reply["error"]["message"]
-    status, reply = server.loop.run_until_complete(render("{% for m in messages %}{{ m.content }}{% endfor %}"))
-    assert status == 200 and reply["choices"][0]["finish_reason"] == "length"
+    try:
+        status, reply = server.loop.run_until_complete(render("{{ ''.__class__.__mro__[1].__subclasses__() }}"))
+        assert status == 400 and reply["error"]["param"] == "messages" and "unsafe" in reply["error"]["message"]
+        status, reply = server.loop.run_until_complete(render(ECHO_TEMPLATE))
+        assert status == 200 and reply["choices"][0]["finish_reason"] == "length"
+    finally:
+        trusting.close()
+
+
+ECHO_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def test_trusted_request_templates_are_bounded(server: Server) -> None:
+    """A request's template that loops for ages or builds gigabytes is
+    stopped (its child process killed) and answered with a 400 naming
+    chat_template; the next template renders in a fresh child, and the
+    event loop, the engine and the server's own template never wait on it."""
+    trusting = OpenAIServing(
+        server.engine, [server.engine.served_model_name], server.engine.max_model_len, trust_request_chat_template=True
+    )
+    assert trusting._client_templates is not None
+    trusting._client_templates.timeout_s = 2.0
+    trusting._client_templates.memory_bytes = 256 << 20
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def tokenize(template: str) -> tuple[int, Any]:
+        body = {"messages": messages, "chat_template": template}
+        try:
+            return 200, (await trusting.tokenize(parse_tokenize_request(body))).model_dump(mode="json")
+        except Exception as e:  # noqa: BLE001
+            return error_body(e)
+
+    async def while_a_template_hangs() -> tuple[tuple[int, Any], int]:
+        hang = asyncio.create_task(tokenize(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        ))
+        renderer = trusting._client_templates
+        assert renderer is not None
+        while not renderer._lock.locked():
+            await asyncio.sleep(0)  # a turn of the loop: the task takes the child
+        # The event loop is free meanwhile: the server's own template renders.
+        own = await trusting.tokenize(parse_tokenize_request({"messages": messages}))
+        assert not hang.done()
+        return await hang, own.count
+
+    try:
+        (status, reply), own_count = server.loop.run_until_complete(while_a_template_hangs())
+        assert own_count > 0
+        assert status == 400 and reply["error"]["param"] == "chat_template" and "longer than" in reply["error"]["message"]
+        status, reply = server.loop.run_until_complete(tokenize("{{ 'x' * 1000000000 }}"))
+        assert status == 400 and reply["error"]["param"] in ("chat_template", "messages"), reply
+        status, reply = server.loop.run_until_complete(tokenize(ECHO_TEMPLATE))
+        assert status == 200 and reply["count"] > 0
+    finally:
+        trusting.close()
+    server.assert_healthy_and_idle()
 
 
 @pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, SEED_MAX])

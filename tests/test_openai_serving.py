@@ -538,7 +538,7 @@ def test_unknown_model_is_404(serving: OpenAIServing, engine: FakeEngine) -> Non
         status, body = error_body(exc)
         assert status == 404 and body["error"]["type"] == "not_found_error"
     with pytest.raises(ModelNotFoundError):
-        serving.tokenize(TokenizeCompletionRequest(model="gpt-4", prompt="x"))
+        asyncio.run(serving.tokenize(TokenizeCompletionRequest(model="gpt-4", prompt="x")))
     assert engine.requests == []
 
 
@@ -643,9 +643,9 @@ def test_show_models(serving: OpenAIServing) -> None:
 
 def test_tokenize_and_detokenize(serving: OpenAIServing, engine: FakeEngine) -> None:
     ids = engine.tokenizer.encode("hello world")
-    response = serving.tokenize(TokenizeCompletionRequest(model=MODEL, prompt="hello world"))
+    response = asyncio.run(serving.tokenize(TokenizeCompletionRequest(model=MODEL, prompt="hello world")))
     assert response.model_dump() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
-    chat_response = serving.tokenize(TokenizeChatRequest.model_validate({"messages": MESSAGES}))
+    chat_response = asyncio.run(serving.tokenize(TokenizeChatRequest.model_validate({"messages": MESSAGES})))
     rendered = engine.processor.render_chat(MESSAGES)
     assert chat_response.tokens == engine.tokenizer.encode(rendered, add_special_tokens=False)
     assert serving.detokenize(DetokenizeRequest(tokens=ids)).prompt == engine.decode(ids)

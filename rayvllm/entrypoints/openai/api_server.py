@@ -191,7 +191,7 @@ class LLMServer:
         try:
             self._authorize(request)
             body = parse_tokenize_request(await _json(request, self.max_request_bytes))
-            return JSONResponse(self.serving.tokenize(body).model_dump(mode="json"))
+            return JSONResponse((await self.serving.tokenize(body)).model_dump(mode="json"))
         except Exception as e:  # noqa: BLE001
             return _error(e)
 
@@ -255,6 +255,9 @@ class LLMServer:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        serving = getattr(self, "serving", None)
+        if serving is not None:
+            serving.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -51,6 +51,7 @@ from rayvllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, OutputStream, sse, sse_error
+from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
 from rayvllm.errors import InvalidParameterError, ModelNotFoundError
 from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rayvllm.processor import Processor, PromptType, TokensPrompt
@@ -242,6 +243,8 @@ class OpenAIServing:
             raise ValueError("served_model_names must not be empty")
         self.engine = engine
         self.trust_request_chat_template = trust_request_chat_template
+        # Templates from requests run in a child process, bounded (template_sandbox.py).
+        self._client_templates = ClientTemplateRenderer(engine.tokenizer) if trust_request_chat_template else None
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
         self._logprobs = LogprobFormatter(engine.tokenizer)
@@ -394,7 +397,7 @@ class OpenAIServing:
         model = self._model_name(req.model)
         with _named_for(req):
             params = req.to_sampling_params()
-            prompt = self.engine.processor.render_chat(req.template_messages(), **self._template_options(req))
+            prompt = await self._render_chat(req)
         streams = await self._start(req, [prompt], params, request_id)
         tally = _Tally(1, params.n, keep_outputs=not req.stream)
         response_id = _response_id("chatcmpl-", request_id)
@@ -488,25 +491,34 @@ class OpenAIServing:
             ]
         )
 
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of a conversation rendered as a chat
         request would render it (then added special tokens default to off)."""
         self._model_name(req.model)
         processor = self.engine.processor
         if isinstance(req, TokenizeChatRequest):
-            text = processor.render_chat(req.template_messages(), **self._template_options(req))
+            text = await self._render_chat(req)
         else:
             text = req.prompt
         tokens = processor.tokenize(text, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
-    def _template_options(self, req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
-        if req.chat_template is not None and not self.trust_request_chat_template:
+    async def _render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
+        """The conversation as prompt text: with the server's template here,
+        with a request's own (if the operator trusts them) in the sandbox."""
+        if req.chat_template is None:
+            return self.engine.processor.render_chat(req.template_messages(), **req.template_options())
+        if self._client_templates is None:
             raise InvalidParameterError(
                 "chat_template",
                 "this server does not take chat templates from requests (server option trust_request_chat_template)",
             )
-        return req.template_options()
+        return await self._client_templates.render(req.template_messages(), req.template_options())
+
+    def close(self) -> None:
+        """Stop the client-template child, if one runs."""
+        if self._client_templates is not None:
+            self._client_templates.close()
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self._model_name(req.model)
