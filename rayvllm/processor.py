@@ -209,6 +209,13 @@ class Processor:
         return None
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; text that is not Unicode (JSON's "\\ud800":
+        a lone surrogate, which the tokenizer refuses with a TypeError) is
+        the prompt's fault."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidParameterError("prompt", f"is not valid Unicode text ({e.reason} at {e.start})") from None
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _prompt_ids(self, prompt: PromptType, add_special_tokens: bool) -> tuple[list[int], str | None]:

@@ -79,6 +79,7 @@ def test_arrival_time_defaults_to_now(processor: Processor) -> None:
         ({"prompt": "hi", "cache_salt": 3}, "cache_salt"),
         (12, "prompt"),
         (None, "prompt"),
+        ("ab\ud800c", "prompt"),  # a lone surrogate: JSON allows it, the tokenizer raises TypeError
     ],
 )
 def test_malformed_prompts_name_the_field(processor: Processor, prompt: Any, param: str) -> None:

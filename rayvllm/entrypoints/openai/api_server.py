@@ -63,7 +63,9 @@ async def _json(request: Request, max_bytes: int | None) -> dict[str, Any]:
             raise RequestTooLargeError(f"the request body is over {max_bytes} bytes, the most this server takes")
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise InvalidParameterError("body", "JSON nested too deeply") from None
+    except ValueError as e:  # bad JSON or UTF-8, an integer of over 4,300 digits
         raise InvalidParameterError("body", f"not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise InvalidParameterError("body", "must be a JSON object")
