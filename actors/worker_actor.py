@@ -16,15 +16,17 @@ class WorkerActor:
     """Methods run one at a time, in the order the executor called them
     (the default actor concurrency of 1): every rank sees steps in order."""
 
-    def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int, dp_rank: int = 0) -> None:
         self.worker = Worker(config, rank, ranks_on_node)
         self.channel: ChannelServer | None = None
         self.rank = rank
+        self.dp_rank = dp_rank if config.parallel_config.data_parallel_size > 1 else None
 
     def __repr__(self) -> str:
         # Ray shows this as the actor's name in `ray list actors`, the
         # dashboard and its log lines: which rank a process is.
-        return f"WorkerActor(rank={self.rank})"
+        dp = "" if self.dp_rank is None else f", dp_rank={self.dp_rank}"
+        return f"WorkerActor(rank={self.rank}{dp})"
 
     def node(self) -> tuple[str, str]:
         ctx = ray.get_runtime_context()

@@ -1,7 +1,7 @@
 """What a fault costs (issue 16): kill a process of a running engine and
 measure how long the streams stall and whether any request is lost.
 
-    python bench/fault_recovery.py [--scenarios world1-scheduler,tp2-rank1,tp2-scheduler,poison]
+    python bench/fault_recovery.py [--scenarios world1-scheduler,tp2-rank1,tp2-scheduler,dp2-rank1,poison]
         [--streams 4] [--max-tokens 200] [--kill-after 20] [--preset tiny | --model DIR]
         [--json-out FILE]
 
@@ -12,6 +12,8 @@ has `--kill-after` tokens injects the fault:
   world1-scheduler  SIGKILL of the SchedulerActor at world size 1 (it runs the model)
   tp2-rank1         SIGKILL of TP rank 1's WorkerActor (rank 0 then waits in an all-reduce)
   tp2-scheduler     SIGKILL of the SchedulerActor at TP=2 (its workers die with it)
+  dp2-rank1         SIGKILL of DP rank 1's WorkerActor at DP=2 (rank 1 alone is
+                    rebuilt; rank 0 serves on)
   poison            a request whose step raises on the worker (the seed hook of
                     tests/fault_hooks.py, installed in every Ray worker)
 Reported per scenario: requests in flight at the fault, requests lost
@@ -19,7 +21,9 @@ Reported per scenario: requests in flight at the fault, requests lost
 in-process run: a repeated or missing token shows as a difference), the
 engine's own restart time (`CoreRestarts.last_duration_s`: failure seen to
 new engine ready), and the stall (the longest wait between two tokens, of
-any stream, after the fault: detection + restart + recompute of the context).
+any stream, after the fault: detection + restart + recompute of the context)
+and the least-stalled stream's longest wait (with DP, a stream on a rank
+that did not fail).
 """
 
 from __future__ import annotations
@@ -40,15 +44,19 @@ from _common import PRESETS, build_model, cpu_line, ensure_repo_on_path, format_
 
 ensure_repo_on_path()
 
-SCENARIOS = ("world1-scheduler", "tp2-rank1", "tp2-scheduler", "poison")
+SCENARIOS = ("world1-scheduler", "tp2-rank1", "tp2-scheduler", "dp2-rank1", "poison")
+VICTIMS = {"tp2-rank1": "WorkerActor(rank=1)", "dp2-rank1": "WorkerActor(rank=0, dp_rank=1)"}
 TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 
 
 def _victim_pid(scenario: str) -> int:
+    import ray
     from ray.util.state import list_actors
 
-    alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True)
-    want = "WorkerActor(rank=1)" if scenario == "tp2-rank1" else "SchedulerActor"
+    # This script's own cluster, even with another on the machine.
+    address = ray.get_runtime_context().gcs_address
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True)
+    want = VICTIMS.get(scenario, "SchedulerActor")
     return next(a.pid for a in alive if want in (a.repr_name, a.class_name))
 
 
@@ -58,13 +66,16 @@ async def _run(scenario: str, model: str, args: argparse.Namespace) -> dict[str,
     from rayvllm.engine_args import EngineArgs
     from rayvllm.errors import RequestFailedError
 
-    parallel: dict[str, Any] = {"tensor_parallel_size": 2} if scenario.startswith("tp2") else {
-        "distributed_executor_backend": "ray"}
+    parallel: dict[str, Any] = {"distributed_executor_backend": "ray"}
+    if scenario.startswith("tp2"):
+        parallel = {"tensor_parallel_size": 2}
+    elif scenario.startswith("dp2"):
+        parallel = {"data_parallel_size": 2}
     engine = AsyncLLM.from_engine_args(EngineArgs(model=model, max_model_len=1024, **parallel))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [[5 + i, 6 + i, 7 + i, 8 + i] * (i + 1) for i in range(args.streams)]
     tokens: list[list[int]] = [[] for _ in prompts]
-    arrivals: list[float] = []
+    arrivals: list[list[float]] = [[] for _ in prompts]
     fault: dict[str, Any] = {}
 
     async def poison() -> str:
@@ -81,7 +92,7 @@ async def _run(scenario: str, model: str, args: argparse.Namespace) -> dict[str,
     async def consume(i: int) -> None:
         async for out in engine.generate({"prompt_token_ids": prompts[i]}, params, f"s{i}"):
             tokens[i] += out.outputs[0].token_ids
-            arrivals.append(time.monotonic())
+            arrivals[i].append(time.monotonic())
             if i == 0 and len(tokens[0]) >= args.kill_after and not fault:
                 fault["in_flight"] = sum(1 for t in tokens if len(t) < args.max_tokens)
                 fault["at"] = time.monotonic()
@@ -95,14 +106,18 @@ async def _run(scenario: str, model: str, args: argparse.Namespace) -> dict[str,
         poisoned = await fault["poison"] if "poison" in fault else None
     finally:
         engine.shutdown()
-    after = [fault["at"]] + [t for t in arrivals if t > fault["at"]]
-    gaps = [b - a for a, b in zip(after, after[1:])]
+    stalls = []
+    for times in arrivals:
+        after = [fault["at"]] + [t for t in times if t > fault["at"]]
+        stalls.append(max((b - a for a, b in zip(after, after[1:])), default=None))
+    known = [s for s in stalls if s is not None]
     return {
         "tokens": tokens,
         "in_flight": fault["in_flight"],
         "restarts": engine.restarts.total,
         "restart_s": engine.restarts.last_duration_s,
-        "stall_s": max(gaps) if gaps else None,
+        "stall_s": max(known, default=None),
+        "least_stall_s": min(known, default=None),
         "poisoned_request": poisoned,
     }
 
@@ -152,9 +167,9 @@ def main() -> None:
         return "-" if value is None else f"{value:.2f}"
 
     print(format_table(
-        ["scenario", "in flight", "lost", "restarts", "restart s", "stall s", "poisoned request"],
+        ["scenario", "in flight", "lost", "restarts", "restart s", "stall s", "least stall s", "poisoned request"],
         [[r["scenario"], str(r["in_flight"]), str(r["lost"]), str(r["restarts"]), seconds(r["restart_s"]), seconds(r["stall_s"]),
-          r["poisoned_request"] or "-"] for r in rows],
+          seconds(r["least_stall_s"]), r["poisoned_request"] or "-"] for r in rows],
     ))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))

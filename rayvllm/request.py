@@ -103,6 +103,16 @@ class Request:
         assert core_req.sampling_params.max_tokens is not None
         self.max_tokens: int = core_req.sampling_params.max_tokens
 
+    def resumed(self) -> EngineCoreRequest:
+        """This request as a new engine core would take it: the prompt and
+        the tokens produced so far (recomputed as context)."""
+        return EngineCoreRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, sampling_params=self.sampling_params,
+            eos_token_id=self.eos_token_id, arrival_time=self.arrival_time, priority=self.priority,
+            cache_salt=self.cache_salt, parent_request_id=self.parent_request_id,
+            output_token_ids=list(self.output_token_ids),
+        )
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

@@ -17,10 +17,12 @@ import pytest
 from rayvllm.config import EngineConfig
 from rayvllm.core.kv_cache_utils import hash_request_tokens
 from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.engine import engine_core
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine_args import EngineArgs
 from rayvllm.engine_types import ModelRunnerOutput
-from rayvllm.executor.base import Executor
+from rayvllm.errors import EngineDeadError
+from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.uniproc import UniProcExecutor
 from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SamplingParams
@@ -194,3 +196,100 @@ def test_a_rank_keeps_stepping_while_another_ranks_step_is_held(tiny_model_dir: 
     held.open()
     step_until(lambda: "a" in finished)
     assert tokens == {"a": 6, "b": 6} and not core.has_unfinished_requests()
+
+
+class _DyingExecutor(UniProcExecutor):
+    """The real model in-process, whose group "dies" on its `dies_at`-th
+    step: that step reports `EngineDeadError`, as a Ray group whose worker
+    was killed does."""
+
+    def __init__(self, config: EngineConfig, dies_at: int) -> None:
+        super().__init__(config)
+        self.dies_at = dies_at
+        self.steps = 0
+        self.shut_down = False
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        self.steps += 1
+        if self.steps >= self.dies_at:
+            return _Dead()
+        return super().execute_model_async(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class _Dead:
+    def done(self) -> bool:
+        return True
+
+    def wait_handles(self) -> list[object]:
+        return []
+
+    def result(self) -> ModelRunnerOutput:
+        raise EngineDeadError("worker rank 0 of DP rank 1 is gone")
+
+
+class _HeldBuild(UniProcExecutor):
+    """A rebuilt group whose start waits for `release` (a slow placement)."""
+
+    release = threading.Event()
+
+    def initialize(self) -> int:
+        assert self.release.wait(timeout=300)
+        return super().initialize()
+
+
+def test_a_dead_rank_is_rebuilt_while_the_other_serves(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP rank 1's worker group dies mid-decode: its requests move to a
+    fresh scheduler and its group is rebuilt on a thread; rank 0's request
+    runs to its end while the rebuild is held; then rank 1 resumes by
+    recompute and every request's tokens equal an undisturbed run's (the
+    engine is never restarted)."""
+    config = EngineArgs(
+        model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, max_num_batched_tokens=512,
+    ).create_engine_config()
+    prompts = {"a": _fresh(20, 1), "b": _fresh(33, 2), "c": _fresh(9, 3)}
+    undisturbed_core = EngineCore(config, executors=[UniProcExecutor(config), UniProcExecutor(config)])
+    for req_id, prompt in prompts.items():
+        undisturbed_core.add_request(_request(req_id, prompt, max_tokens=12))
+    expected = _tokens_until(undisturbed_core, lambda done: len(done) == 3)[0]
+    undisturbed_core.shutdown()
+
+    dying = _DyingExecutor(config, dies_at=4)
+    core = EngineCore(config, executors=[UniProcExecutor(config), dying])
+    builds: list[_HeldBuild] = []
+
+    def build(cfg: EngineConfig, rank: int, reserved_pg: object = None) -> Executor:
+        builds.append(_HeldBuild(cfg))
+        return builds[-1]
+
+    monkeypatch.setattr(engine_core, "create_executor", build)
+    _HeldBuild.release.clear()
+    for req_id, prompt in prompts.items():
+        core.add_request(_request(req_id, prompt, max_tokens=12))
+    on_rank_1 = {r for r, rank in core.request_rank.items() if rank == 1}
+    assert on_rank_1 and on_rank_1 != set(prompts)
+    tokens, finished = _tokens_until(core, lambda done: set(prompts) - on_rank_1 <= done)
+    # Rank 0 is done while rank 1 waits for its new group.
+    assert dying.shut_down and 1 in core.recoveries and not on_rank_1 & finished
+    assert not any(core.inflight[1]) and core.executors[1] is dying
+    _HeldBuild.release.set()
+    more, _ = _tokens_until(core, lambda done: len(done) == 3, tokens, finished)
+    assert more == expected
+    assert core.executors[1] is builds[0] and not core.recoveries and len(builds) == 1
+    core.shutdown()
+
+
+def _tokens_until(
+    core: EngineCore, done: Callable[[set[str]], bool],
+    tokens: dict[str, list[int]] | None = None, finished: set[str] | None = None,
+) -> tuple[dict[str, list[int]], set[str]]:
+    tokens = tokens if tokens is not None else {}
+    finished = finished if finished is not None else set()
+    while not done(finished):
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+    return tokens, finished

@@ -271,3 +271,40 @@ def test_a_hung_step_ends_the_engine_and_the_requests_resume(
     assert hang_flag.exists() and restarts == 1
     assert hanging_tokens == 8
     assert tokens == undisturbed
+
+
+def test_a_dead_dp_rank_is_rebuilt_alone(ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]) -> None:
+    """DP=2: DP rank 1's WorkerActor killed mid-generation. The engine is not
+    restarted (same SchedulerActor, no CoreRestarts): rank 1's group alone
+    is rebuilt and its requests resume by recompute, while rank 0 keeps its
+    worker; every stream equals an undisturbed run."""
+
+    async def main() -> tuple[list[list[int]], int]:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), data_parallel_size=2, **ENGINE))
+        try:
+            (scheduler,) = _alive("SchedulerActor")
+            workers = {w.repr_name: w for w in _alive("WorkerActor")}
+            assert sorted(workers) == ["WorkerActor(rank=0, dp_rank=0)", "WorkerActor(rank=0, dp_rank=1)"]
+            tokens: list[list[int]] = [[] for _ in PROMPTS]
+            killed: list[int] = []
+
+            async def consume(i: int) -> None:
+                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+                    tokens[i] += out.outputs[0].token_ids
+                    if len(tokens[i]) >= 5 and not killed:
+                        killed.append(workers["WorkerActor(rank=0, dp_rank=1)"].pid)
+                        os.kill(killed[0], signal.SIGKILL)
+
+            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            await engine.check_health()
+            after = {w.repr_name: w.pid for w in _alive("WorkerActor")}
+            assert after["WorkerActor(rank=0, dp_rank=0)"] == workers["WorkerActor(rank=0, dp_rank=0)"].pid
+            assert after["WorkerActor(rank=0, dp_rank=1)"] != killed[0]
+            assert [a.actor_id for a in _alive("SchedulerActor")] == [scheduler.actor_id]
+            return tokens, engine.restarts.total
+        finally:
+            engine.shutdown()
+
+    tokens, restarts = asyncio.run(main())
+    assert restarts == 0
+    assert tokens == undisturbed

@@ -18,13 +18,18 @@ would wait anyway.
 
 Data-parallel ranks never wait on each other: each call takes back the
 steps that have finished, on whichever ranks, and schedules those ranks'
-next steps; it waits only while no rank has a finished step.
+next steps; it waits only while no rank has a finished step. Nor do they
+die together: when a rank's worker group dies, its requests move to a fresh
+scheduler of that rank (recomputed from prompt plus emitted tokens, as after
+a preemption), its group is rebuilt on a thread (rank_recovery.py), and the
+other ranks step on meanwhile; only a rebuild that fails ends the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
@@ -34,12 +39,14 @@ from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine.rank_recovery import RankRecovery
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.factory import create_executor
 from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.request import EngineCoreRequest, Request
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class _InflightStep:
@@ -61,6 +68,7 @@ class EngineCore:
         """`reserved_pg`: a placement group Serve reserved for the worker
         groups (opaque here; the Ray executors use it)."""
         self.config = config
+        self.reserved_pg = reserved_pg
         pc = config.parallel_config
         dp = pc.data_parallel_size
         self.executors = executors or [create_executor(config, rank, reserved_pg) for rank in range(dp)]
@@ -83,22 +91,29 @@ class EngineCore:
         self.max_inflight = max(pc.pipeline_parallel_size, 2 if config.scheduler_config.async_scheduling else 1)
         caching = config.cache_config.enable_prefix_caching
         self.prefix_index = PrefixIndex(dp) if caching and dp > 1 else None
-        self.schedulers = [
-            Scheduler(
-                config.scheduler_config,
-                config.cache_config,
-                send_token_ids=pc.world_size > 1,
-                max_inflight_steps=self.max_inflight,
-                listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
-            )
-            for rank in range(dp)
-        ]
+        self.schedulers = [self._make_scheduler(rank) for rank in range(dp)]
         self.router = DPRouter(dp, config.cache_config.block_size, self.prefix_index)
         self.inflight: list[deque[_InflightStep]] = [deque() for _ in range(dp)]
         # Just in time applies to async scheduling's one queued step;
         # pipeline stages are kept full instead.
         self._can_wait_for_intake = self.max_inflight == 2 and pc.pipeline_parallel_size == 1
         self.request_rank: dict[str, int] = {}
+        # DP ranks whose worker group is being rebuilt, and ranks a health
+        # check found dead (added from the health check's thread, taken by
+        # the stepping one).
+        self.recoveries: dict[int, RankRecovery] = {}
+        self._found_dead: set[int] = set()
+        self._wake_loop: Callable[[], None] | None = None
+
+    def _make_scheduler(self, rank: int) -> Scheduler:
+        pc = self.config.parallel_config
+        return Scheduler(
+            self.config.scheduler_config,
+            self.config.cache_config,
+            send_token_ids=pc.world_size > 1,
+            max_inflight_steps=self.max_inflight,
+            listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
+        )
 
     @property
     def scheduler(self) -> Scheduler:
@@ -121,6 +136,10 @@ class EngineCore:
             loads = [
                 RankLoad.from_requests(s.waiting, s.running, s.kv_cache_manager.usage) for s in self.schedulers
             ]
+            if len(self.recoveries) < len(self.schedulers):
+                # A rank being rebuilt takes nothing new while another serves.
+                for rank in self.recoveries:
+                    loads[rank] = RankLoad(num_queued_tokens=1 << 62, kv_usage=1.0)
             rank = self.router.route(reqs[0], loads)
         for req in reqs:
             self.request_rank[req.request_id] = rank
@@ -138,8 +157,13 @@ class EngineCore:
         return bool(self.request_rank)
 
     def has_work(self) -> bool:
-        """Requests to run, or steps still on the workers."""
-        return bool(self.request_rank) or any(self.inflight)
+        """Requests to run on a rank that can run them, or steps still on
+        the workers. (A rank being rebuilt wakes its loop when it is back.)"""
+        if any(self.inflight):
+            return True
+        if not self.recoveries:
+            return bool(self.request_rank)
+        return any(rank not in self.recoveries for rank in self.request_rank.values())
 
     def step(self, intake: RequestIntake | None = None) -> list[EngineCoreOutput]:
         """Take back the finished oldest step of each rank (at least one,
@@ -147,6 +171,9 @@ class EngineCore:
         step already on its workers. `intake` holds
         requests that arrived since the last call (see the module docstring
         for when it is taken before and when after the running step ends)."""
+        if intake is not None:
+            self._wake_loop = intake.wake
+        self._tend_recoveries(block=intake is None)
         if intake is not None and self._can_wait_for_intake and self._has_room():
             finished = self._just_in_time(intake)
             if not finished and any(self.inflight):
@@ -181,6 +208,8 @@ class EngineCore:
         """Schedule and submit steps until each rank has `depth` in flight
         or nothing left to run."""
         for rank, scheduler in enumerate(self.schedulers):
+            if rank in self.recoveries:
+                continue
             queue = self.inflight[rank]
             while len(queue) < depth:
                 so = scheduler.schedule()
@@ -205,8 +234,11 @@ class EngineCore:
             step = self.inflight[rank].popleft()
             try:
                 result = step.pending.result()
-            except EngineDeadError:
-                raise
+            except EngineDeadError as e:
+                if len(self.schedulers) == 1:
+                    raise
+                self._start_recovery(rank, e)
+                continue
             except Exception as e:  # noqa: BLE001 - a worker raised and lives on
                 so = step.scheduler_output
                 culprits = [new.req_id for new in so.scheduled_new_reqs if not new.output_token_ids]
@@ -220,11 +252,65 @@ class EngineCore:
             return stats[0]
         return SchedulerStats.combine(stats)
 
+    # ---- a DP rank's worker group dies --------------------------------------------
+
+    def _start_recovery(self, rank: int, cause: BaseException) -> None:
+        """Move the rank's requests to a fresh scheduler (its KV cache died
+        with the workers) and rebuild its worker group on a thread."""
+        logger.warning("DP rank %d lost its worker group (%s); rebuilding it", rank, cause)
+        self.inflight[rank].clear()
+        live = sorted(self.schedulers[rank].requests.values(), key=lambda r: r.arrival_time)
+        if self.prefix_index is not None:
+            self.prefix_index.clear_rank(rank)
+        scheduler = self.schedulers[rank] = self._make_scheduler(rank)
+        for request in live:
+            scheduler.add_request(Request(request.resumed()))
+        self.recoveries[rank] = RankRecovery(
+            rank, self.executors[rank], lambda: create_executor(self.config, rank, self.reserved_pg),
+            self.config.cache_config.num_blocks, self._wake,
+        )
+
+    def _tend_recoveries(self, block: bool) -> None:
+        """Start recoveries for ranks a health check found dead; install the
+        groups rebuilt since. `block`: with no other rank able to step,
+        wait for a rebuild (the offline engine has no intake to wake it)."""
+        for rank in list(self._found_dead):
+            self._found_dead.discard(rank)
+            if rank not in self.recoveries:
+                self._start_recovery(rank, EngineDeadError("a health check found it dead"))
+        if block and self.recoveries and not any(self.inflight) and not self.has_work():
+            next(iter(self.recoveries.values())).wait()
+        for rank, recovery in list(self.recoveries.items()):
+            if not recovery.done():
+                continue
+            del self.recoveries[rank]
+            if recovery.executor is None:
+                raise EngineDeadError(f"DP rank {rank} could not be rebuilt: {recovery.error!r}")
+            self.executors[rank] = recovery.executor
+
+    def _wake(self) -> None:
+        wake = self._wake_loop
+        if wake is not None:
+            wake()
+
     def check_health(self) -> None:
-        """Raise if any worker of any DP rank is dead."""
-        for executor in self.executors:
-            executor.check_health()
+        """Raise if any worker of any DP rank is dead. With several DP ranks
+        a dead one is rebuilt instead (the stepping thread is told), and
+        ranks being rebuilt are not asked."""
+        dp = len(self.executors)
+        for rank, executor in enumerate(list(self.executors)):
+            if rank in self.recoveries:
+                continue
+            try:
+                executor.check_health()
+            except Exception:
+                if dp == 1:
+                    raise
+                self._found_dead.add(rank)
+                self._wake()
 
     def shutdown(self) -> None:
+        for recovery in self.recoveries.values():
+            recovery.cancel()
         for executor in self.executors:
             executor.shutdown()

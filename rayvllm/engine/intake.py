@@ -34,6 +34,7 @@ class RequestIntake:
         self._items: deque[EngineCoreInput] = deque()
         self._arrived = threading.Condition()
         self._closed = False
+        self._woken = False
         self.applied = 0
 
     # ---- any thread ----------------------------------------------------------------
@@ -48,6 +49,13 @@ class RequestIntake:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.put(AbortRequests(list(request_ids)))
+
+    def wake(self) -> None:
+        """Wake the stepping thread with no input (the engine core has work
+        again: a rebuilt DP rank)."""
+        with self._arrived:
+            self._woken = True
+            self._arrived.notify_all()
 
     def close(self) -> None:
         """No more inputs will come (the client hung up)."""
@@ -65,10 +73,12 @@ class RequestIntake:
     # ---- the thread that steps -----------------------------------------------------
 
     def wait_for_input(self) -> bool:
-        """Block until an input is pending (True) or the intake is closed (False)."""
+        """Block until an input is pending or `wake` was called (True), or
+        the intake is closed (False)."""
         with self._arrived:
-            self._arrived.wait_for(lambda: self._items or self._closed)
-            return bool(self._items) and not self._closed
+            self._arrived.wait_for(lambda: self._items or self._woken or self._closed)
+            self._woken = False
+            return not self._closed
 
     def drain_into(self, core: IntakeTarget) -> None:
         """Hand everything that has arrived to `core`, in arrival order."""

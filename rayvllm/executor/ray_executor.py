@@ -113,7 +113,7 @@ class RayExecutor(Executor):
         per_node = Counter(p.node_id for p in self.placements)
         self.workers = [
             WorkerActor.options(**rank_actor_options(pc, self.config.device, group, p)).remote(
-                self.config, p.rank, per_node[p.node_id] * pc.data_parallel_size
+                self.config, p.rank, per_node[p.node_id] * pc.data_parallel_size, self.dp_rank
             )
             for p in self.placements
         ]
