@@ -61,7 +61,9 @@ def undisturbed(tiny_model_dir: Path) -> list[list[int]]:
 
 
 def _alive(class_name: str) -> list[object]:
-    return list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
+    # This test's own cluster, even if another runs on the machine.
+    address = ray.get_runtime_context().gcs_address
+    return list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
 
 
 def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
@@ -102,7 +104,7 @@ def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
             break
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
     assert _alive("SchedulerActor") == []
-    assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
+    assert [p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"] == []
 
 
 @pytest.mark.parametrize("notice", ["health check", "new request"])
@@ -173,7 +175,7 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
 
             await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
             assert len(_alive("WorkerActor")) == 2 and not {w.pid for w in workers} & {w.pid for w in _alive("WorkerActor")}
-            assert len([p for p in list_placement_groups() if p.state != "REMOVED"]) == 1
+            assert len([p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"]) == 1
             return tokens, engine.restarts.total
         finally:
             engine.shutdown()
@@ -186,7 +188,7 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
             break
         ray.get(ray.remote(lambda: None).remote())
     assert _alive("SchedulerActor") == [] and _alive("WorkerActor") == []
-    assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
+    assert [p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"] == []
 
 
 def test_a_request_that_fails_its_step_fails_alone(
@@ -308,3 +310,32 @@ def test_a_dead_dp_rank_is_rebuilt_alone(ray_local: None, tiny_model_dir: Path, 
     tokens, restarts = asyncio.run(main())
     assert restarts == 0
     assert tokens == undisturbed
+
+
+def test_the_offline_llm_on_ray_replaces_a_killed_engine(
+    ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """The offline engine on Ray takes the serving engine's path: the
+    SchedulerActor killed between two steps is replaced, and every request
+    ends with the undisturbed tokens."""
+    llm = LLM(str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+    try:
+        engine = llm.llm_engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, PARAMS[i])
+        finals: dict[str, list[int]] = {}
+        steps = 0
+        (victim,) = _alive("SchedulerActor")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = list(out.outputs[0].token_ids)
+            steps += 1
+            if steps == 6:
+                os.kill(victim.pid, signal.SIGKILL)
+        assert engine.restarts is not None and engine.restarts.total == 1
+        (successor,) = _alive("SchedulerActor")
+        assert successor.actor_id != victim.actor_id
+    finally:
+        llm.shutdown()
+    assert [finals[f"r{i}"] for i in range(len(PROMPTS))] == undisturbed

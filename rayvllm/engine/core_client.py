@@ -13,16 +13,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rayvllm.config import EngineConfig
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
-from rayvllm.engine.llm_engine import make_engine_core
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.errors import EngineDeadError, PlacementError, StepFailedError
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.request import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from rayvllm.engine.ray_core_client import RayEngineCoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,17 @@ class InprocClient:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+def make_engine_core(config: EngineConfig, reserved_pg: Any = None) -> "EngineCore | RayEngineCoreClient":
+    """In-process core by default; the SchedulerActor on Ray when any
+    parallel size exceeds 1 or `distributed_executor_backend="ray"`
+    (`reserved_pg`: the Serve replica's placement group, for that case)."""
+    if config.parallel_config.use_ray:
+        from rayvllm.engine.ray_core_client import RayEngineCoreClient
+
+        return RayEngineCoreClient(config, reserved_pg)
+    return EngineCore(config)
 
 
 def make_client(config: EngineConfig, reserved_pg: Any = None) -> EngineCoreClient:

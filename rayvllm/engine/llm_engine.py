@@ -6,30 +6,17 @@ Used by the offline `LLM`; the async loop of the server wraps the same pieces.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rayvllm.config import EngineConfig
-from rayvllm.engine.engine_core import EngineCore
+from rayvllm.engine.core_client import CoreRestarts, make_engine_core
 from rayvllm.engine_args import EngineArgs
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.processor import Processor
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
-
-if TYPE_CHECKING:
-    from rayvllm.engine.ray_core_client import RayEngineCoreClient
-
-
-def make_engine_core(config: EngineConfig, reserved_pg: Any = None) -> "EngineCore | RayEngineCoreClient":
-    """In-process core by default; the SchedulerActor on Ray when any
-    parallel size exceeds 1 or `distributed_executor_backend="ray"`
-    (`reserved_pg`: the Serve replica's placement group, for that case)."""
-    if config.parallel_config.use_ray:
-        from rayvllm.engine.ray_core_client import RayEngineCoreClient
-
-        return RayEngineCoreClient(config, reserved_pg)
-    return EngineCore(config)
 
 
 class LLMEngine:
@@ -42,6 +29,14 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_engine_core(config)
+        # On Ray a dead engine (a killed worker or SchedulerActor, a lost
+        # node) is replaced and its requests resumed from the output
+        # processor's table, as the serving engine does; an in-process core
+        # shares this process, so no new one would escape what ended it.
+        self.restarts = (
+            CoreRestarts(self.engine_core, self.output_processor)  # type: ignore[arg-type]
+            if config.parallel_config.use_ray else None
+        )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -70,7 +65,21 @@ class LLMEngine:
         return self.output_processor.abort_requests(ids)
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        """One engine step's outputs. A request whose step raised on a live
+        worker raises here (offline, the caller sees it); a dead engine on
+        Ray is replaced and this step returns nothing new."""
+        try:
+            core_outputs = self.engine_core.step()
+        except StepFailedError:
+            raise
+        except EngineDeadError as failure:
+            if self.restarts is None:
+                raise
+            self.restarts.drop_culprits(failure)  # blames none: past the limit in a row, re-raises
+            self.restarts.replace_core(failure, self.output_processor.resumable_requests())
+            return []
+        if self.restarts is not None:
+            self.restarts.step_done()
         result = self.output_processor.process_outputs(core_outputs)
         if result.reqs_to_abort:
             self.engine_core.abort_requests(result.reqs_to_abort)
