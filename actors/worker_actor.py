@@ -7,7 +7,9 @@ from typing import Any
 import ray
 
 from rayvllm.config import EngineConfig
+from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.rpc_channel import ChannelServer
+from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.worker.worker import Worker, free_port
 
 
@@ -18,7 +20,7 @@ class WorkerActor:
 
     def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int, dp_rank: int = 0) -> None:
         self.worker = Worker(config, rank, ranks_on_node)
-        self.channel: ChannelServer | None = None
+        self.channel: ChannelServer[SchedulerOutput, ModelRunnerOutput] | None = None
         self.rank = rank
         self.dp_rank = dp_rank if config.parallel_config.data_parallel_size > 1 else None
 
@@ -40,10 +42,11 @@ class WorkerActor:
         return getattr(self.worker, method)(*args)
 
     def open_channel(self) -> tuple[tuple[str, int], bytes]:
-        """Serve the worker's methods on a direct channel; returns its
-        address and key. Steps then arrive there, not as actor calls."""
+        """Serve the worker's steps (`execute_model`) on a direct channel;
+        returns its address and key. Steps then arrive there, not as actor
+        calls."""
         self.channel = ChannelServer(
-            self.worker, ray.util.get_node_ip_address(), on_thread_start=self.worker.set_threads
+            self.worker.execute_model, ray.util.get_node_ip_address(), on_thread_start=self.worker.set_threads
         )
         return self.channel.address, self.channel.authkey
 

@@ -1,5 +1,5 @@
-"""The direct channel: calls with replies in order, and the one-way mode the
-SchedulerActor's intake uses (no replies; a failing call hangs up)."""
+"""The direct channel: one handler, replies in the order messages came,
+a handler's exception re-raised at the client without ending the channel."""
 
 from __future__ import annotations
 
@@ -12,25 +12,25 @@ class Target:
     def __init__(self) -> None:
         self.seen: list[int] = []
 
-    def put(self, value: int) -> int:
+    def handle(self, value: int) -> int:
+        if value < 0:
+            raise ValueError("bad message")
         self.seen.append(value)
         return value * 10
 
-    def fail(self) -> None:
-        raise ValueError("bad message")
 
-
-def test_calls_reply_in_order_and_reraise() -> None:
+def test_messages_reply_in_order_and_reraise() -> None:
     target = Target()
-    server = ChannelServer(target, "127.0.0.1")
-    client = ChannelClient(server.address, server.authkey)
+    server: ChannelServer[int, int] = ChannelServer(target.handle, "127.0.0.1")
+    client: ChannelClient[int, int] = ChannelClient(server.address, server.authkey)
     try:
-        client.send("put", 1)
-        client.send("put", 2)
+        client.send(1)
+        client.send(2)
         assert (client.recv(), client.recv()) == (10, 20)
         with pytest.raises(ValueError, match="bad message"):
-            client.call("fail")
-        assert client.call("put", 3) == 30  # a failed call does not end the channel
+            client.call(-1)
+        assert client.call(3) == 30  # a failed message does not end the channel
+        assert target.seen == [1, 2, 3]
     finally:
         client.close()
         server.close()

@@ -7,9 +7,12 @@ scheduler -> worker chain), a Ray Compiled Graph ~0.3 ms but its idle
 readers spin at 60-70% of a core each, taking the cores the forward needs;
 this channel blocks in the kernel while waiting and costs ~0.1 ms.
 
-The server runs calls one at a time, in arrival order, on its own thread, so
-a client may send several calls before reading the first reply (pipeline
-stages overlap that way). Replies come back in the same order. The engine
+A channel carries one kind of message to one handler (a worker's
+`execute_model` with each `SchedulerOutput`): no method names travel, so
+nothing but that handler can be reached through it. The server handles
+messages one at a time, in arrival order, on its own thread, so a client may
+send several before reading the first reply (pipeline stages overlap that
+way). Replies come back in the same order. The engine
 loop's connection (engine/core_loop.py) is a plain two-way stream made with
 `open_listener` / `accept` / `connect`, not a call channel.
 """
@@ -23,7 +26,10 @@ import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+Message = TypeVar("Message")
+Reply = TypeVar("Reply")
 
 
 def _no_delay(conn: Connection) -> None:
@@ -68,13 +74,15 @@ def connect(address: tuple[str, int], authkey: bytes) -> Connection:
     return conn
 
 
-class ChannelServer:
-    """Serves `target.<method>(*args)` for one client. Invariant: at most one
-    call runs at a time, on the server thread (`on_thread_start` runs there
-    first, e.g. to size that thread's OpenMP pool)."""
+class ChannelServer(Generic[Message, Reply]):
+    """Serves `handler(message)` for one client. Invariant: at most one
+    message is handled at a time, on the server thread (`on_thread_start`
+    runs there first, e.g. to size that thread's OpenMP pool)."""
 
-    def __init__(self, target: Any, host: str, on_thread_start: Callable[[], None] | None = None) -> None:
-        self.target = target
+    def __init__(
+        self, handler: Callable[[Message], Reply], host: str, on_thread_start: Callable[[], None] | None = None
+    ) -> None:
+        self.handler = handler
         self._listener, self.authkey = open_listener(host)
         self.address: tuple[str, int] = self._listener.address  # type: ignore[assignment]
         self._on_thread_start = on_thread_start
@@ -91,11 +99,11 @@ class ChannelServer:
             return  # closed before a client came
         while True:
             try:
-                method, args = conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 return
             try:
-                reply: tuple[bool, Any] = (True, getattr(self.target, method)(*args))
+                reply: tuple[bool, Any] = (True, self.handler(message))
             except BaseException as e:  # noqa: BLE001 - the client re-raises it
                 reply = (False, e)
             try:
@@ -111,15 +119,15 @@ class ChannelServer:
             self._conn.close()
 
 
-class ChannelClient:
+class ChannelClient(Generic[Message, Reply]):
     def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
         self._conn = connect(address, authkey)
 
-    def send(self, method: str, *args: Any) -> None:
-        self._conn.send((method, args))
+    def send(self, message: Message) -> None:
+        self._conn.send(message)
 
     def send_pickled(self, message: bytes) -> None:
-        """A message made once by `pickle_call` and sent to several servers."""
+        """A message pickled once (`pickle_message`) and sent to several servers."""
         self._conn.send_bytes(message)
 
     @property
@@ -134,20 +142,20 @@ class ChannelClient:
         except (EOFError, OSError):
             return True  # `recv` raises the error
 
-    def recv(self) -> Any:
-        """The reply to the oldest unanswered call; re-raises its exception."""
+    def recv(self) -> Reply:
+        """The reply to the oldest unanswered message; re-raises its exception."""
         ok, value = self._conn.recv()
         if not ok:
             raise value
         return value
 
-    def call(self, method: str, *args: Any) -> Any:
-        self.send(method, *args)
+    def call(self, message: Message) -> Reply:
+        self.send(message)
         return self.recv()
 
     def close(self) -> None:
         self._conn.close()
 
 
-def pickle_call(method: str, *args: Any) -> bytes:
-    return pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+def pickle_message(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

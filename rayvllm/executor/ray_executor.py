@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError
 from rayvllm.actors.worker_actor import WorkerActor
 from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.distributed.rpc_channel import ChannelClient, pickle_call
+from rayvllm.distributed.rpc_channel import ChannelClient, pickle_message
 from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.errors import DistributedInitError, EngineDeadError
 from rayvllm.executor.base import Executor, PendingOutput
@@ -89,7 +89,7 @@ class RayExecutor(Executor):
         self.pg: Any = None
         self.placements: list[RankPlacement] = []
         self.workers: list[Any] = []
-        self.channels: list[ChannelClient] = []
+        self.channels: list[ChannelClient[SchedulerOutput, ModelRunnerOutput]] = []
 
     def initialize(self) -> int:
         self.start_workers()
@@ -181,9 +181,9 @@ class RayExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         if self.world_size == 1:
-            self.channels[0].send("execute_model", scheduler_output)
+            self.channels[0].send(scheduler_output)
         else:
-            message = pickle_call("execute_model", scheduler_output)  # serialised once for all ranks
+            message = pickle_message(scheduler_output)  # serialised once for all ranks
             for channel in self.channels:
                 channel.send_pickled(message)
         return _PendingStep(self)
