@@ -140,6 +140,8 @@ class SchedulerStats:
     kv_cache_usage: float
     prefix_cache_stats: PrefixCacheStats
     num_preemptions: int
+    # DP ranks whose dead worker group the core rebuilt (cumulative).
+    num_rank_rebuilds: int = 0
 
     @classmethod
     def combine(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":

@@ -112,6 +112,7 @@ class EngineMetrics:
         # metric updates are already thread-safe).
         self._lock = threading.Lock()
         self._last_num_preemptions = 0
+        self._last_num_rank_rebuilds = 0
 
         labels = ("model_name",)
         reg = self._registry
@@ -175,6 +176,9 @@ class EngineMetrics:
         self._preemptions = counter("rayvllm:num_preemptions", "Requests preempted.")
         self._restarts = counter(
             "rayvllm:engine_restarts", "Engine cores replaced after a failure, their requests resumed."
+        )
+        self._rank_rebuilds = counter(
+            "rayvllm:dp_rank_rebuilds", "Data-parallel worker groups rebuilt after a failure while the others served."
         )
         success = Counter(
             "rayvllm:request_success",
@@ -269,8 +273,10 @@ class EngineMetrics:
           difference from the previous call. A smaller value than last time
           means the scheduler was rebuilt (e.g. after a failure) and counts
           from 0 again, so the whole new value is the increase (Prometheus's
-          own counter-reset rule). With DP > 1 a rebuild of one rank out of
-          several can make that over-count once; it never goes backwards.
+          own counter-reset rule). A rebuilt DP rank's scheduler carries its
+          predecessor's count on.
+        - `num_rank_rebuilds` is CUMULATIVE in the same way (an engine
+          restart starts it from 0 again).
         - `prefix_cache_stats` is PER INTERVAL: `make_prefix_cache_stats`
           hands out the counts since its previous call and restarts them
           at 0, so `queries` and `hits` (tokens) are added as they are.
@@ -290,7 +296,11 @@ class EngineMetrics:
             last = self._last_num_preemptions
             increase = current - last if current >= last else current
             self._last_num_preemptions = current
+            rebuilds = stats.num_rank_rebuilds
+            rebuilt = rebuilds - self._last_num_rank_rebuilds if rebuilds >= self._last_num_rank_rebuilds else rebuilds
+            self._last_num_rank_rebuilds = rebuilds
         self._preemptions.inc(increase)
+        self._rank_rebuilds.inc(rebuilt)
 
     # --------------------------------------------------------------- export
 

@@ -278,6 +278,7 @@ def test_a_dead_rank_is_rebuilt_while_the_other_serves(tiny_model_dir: Path, mon
     more, _ = _tokens_until(core, lambda done: len(done) == 3, tokens, finished)
     assert more == expected
     assert core.executors[1] is builds[0] and not core.recoveries and len(builds) == 1
+    assert core.make_stats().num_rank_rebuilds == 1
     core.shutdown()
 
 

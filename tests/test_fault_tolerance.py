@@ -299,6 +299,13 @@ def test_a_dead_dp_rank_is_rebuilt_alone(ray_local: None, tiny_model_dir: Path, 
 
             await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
             await engine.check_health()
+            await engine.refresh_stats()
+            rebuilds = [
+                float(line.rsplit(" ", 1)[1]) for line in engine.metrics.render()[0].decode().splitlines()
+                if line.startswith("rayvllm:dp_rank_rebuilds_total")
+            ]
+            assert rebuilds == [1.0]
+            assert engine.engine_core.make_stats().num_rank_rebuilds == 1
             after = {w.repr_name: w.pid for w in _alive("WorkerActor")}
             assert after["WorkerActor(rank=0, dp_rank=0)"] == workers["WorkerActor(rank=0, dp_rank=0)"].pid
             assert after["WorkerActor(rank=0, dp_rank=1)"] != killed[0]

@@ -103,6 +103,7 @@ class EngineCore:
         # the stepping one).
         self.recoveries: dict[int, RankRecovery] = {}
         self._found_dead: set[int] = set()
+        self.num_rank_rebuilds = 0
         self._wake_loop: Callable[[], None] | None = None
 
     def _make_scheduler(self, rank: int) -> Scheduler:
@@ -250,7 +251,9 @@ class EngineCore:
         stats = [s.make_stats() for s in self.schedulers]
         if len(stats) == 1:
             return stats[0]
-        return SchedulerStats.combine(stats)
+        combined = SchedulerStats.combine(stats)
+        combined.num_rank_rebuilds = self.num_rank_rebuilds
+        return combined
 
     # ---- a DP rank's worker group dies --------------------------------------------
 
@@ -262,7 +265,9 @@ class EngineCore:
         live = sorted(self.schedulers[rank].requests.values(), key=lambda r: r.arrival_time)
         if self.prefix_index is not None:
             self.prefix_index.clear_rank(rank)
+        preempted = self.schedulers[rank].num_preemptions
         scheduler = self.schedulers[rank] = self._make_scheduler(rank)
+        scheduler.num_preemptions = preempted  # a cumulative count the metrics difference
         for request in live:
             scheduler.add_request(Request(request.resumed()))
         self.recoveries[rank] = RankRecovery(
@@ -287,6 +292,7 @@ class EngineCore:
             if recovery.executor is None:
                 raise EngineDeadError(f"DP rank {rank} could not be rebuilt: {recovery.error!r}")
             self.executors[rank] = recovery.executor
+            self.num_rank_rebuilds += 1
 
     def _wake(self) -> None:
         wake = self._wake_loop
