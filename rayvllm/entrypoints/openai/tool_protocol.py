@@ -139,13 +139,15 @@ class ToolRequestFields(BaseModel):
         """For "required": a JSON array of {"name", "parameters"} calls (one
         at most without parallel_tool_calls), each name with its own
         parameter schema; for a named function: its arguments object.
-        None when the model chooses (or no tools)."""
+        None when the model chooses (or no tools). Compact JSON (no free
+        whitespace): nothing reads a call's layout, and whitespace is where
+        a weak model can spend every token it has."""
         mode = self.tool_choice_mode
         if mode == "named":
             assert isinstance(self.tool_choice, NamedToolChoice)
             name = self.tool_choice.function.name
             tool = next(t for t in self.tools or [] if t.function.name == name)
-            return StructuredOutputsParams(json=tool.function.parameters or _NO_PARAMETERS)
+            return StructuredOutputsParams(json=tool.function.parameters or _NO_PARAMETERS, disable_any_whitespace=True)
         if mode != "required":
             return None
         calls = [
@@ -162,4 +164,4 @@ class ToolRequestFields(BaseModel):
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
