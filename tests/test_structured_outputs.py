@@ -5,10 +5,15 @@ logits masked by an independent xgrammar matcher, step by step."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import os
 import re
+import signal
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -17,6 +22,8 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from rayvllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
+from rayvllm.engine_args import EngineArgs  # noqa: E402
 from rayvllm.errors import InvalidParameterError  # noqa: E402
 from rayvllm.structured_output.bitmask import apply_token_bitmask_  # noqa: E402
 from hf_oracle import hf_model  # noqa: E402
@@ -216,23 +223,63 @@ def test_ignore_eos_still_ends_with_the_grammar(llm: LLM) -> None:
     assert out.text in CHOICES and out.finish_reason == "stop"
 
 
-def test_ray_path_with_async_scheduling_matches(tiny_model_dir: Path, llm: LLM) -> None:
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _ray_case(llm: LLM) -> tuple[list[str], list[SamplingParams], list[list[int]]]:
+    so = _so(json=SCHEMA, disable_any_whitespace=True)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=so) for s in range(4)]
+    prompts = [f"Answer in JSON {i}: where" for i in range(4)]
+    return prompts, params, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_ray_path_with_async_scheduling_matches(ray_local: Any, tiny_model_dir: Path, llm: LLM) -> None:
     """On the Ray path the SchedulerActor's runner holds the matchers (async
     scheduling is its default); seeded constrained outputs are the
     in-process engine's."""
-    ray = pytest.importorskip("ray")
-    so = _so(json=SCHEMA)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=so) for s in range(6)]
-    prompts = [f"Answer in JSON {i}: where" for i in range(6)]
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    prompts, params, expected = _ray_case(llm)
+    remote = LLM(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
     try:
-        remote = LLM(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
-        try:
-            assert remote.llm_engine.config.scheduler_config.async_scheduling
-            outs = remote.generate(prompts, params, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in outs] == expected
-        finally:
-            remote.shutdown()
+        assert remote.llm_engine.config.scheduler_config.async_scheduling
+        outs = remote.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
     finally:
-        ray.shutdown()
+        remote.shutdown()
+
+
+def test_killed_engine_resumes_constrained_streams(ray_local: Any, tiny_model_dir: Path, llm: LLM) -> None:
+    """The engine process is killed mid-generation: AsyncLLM starts a new
+    one and resumes each request from prompt + streamed tokens; the new
+    worker's matchers are rebuilt over those tokens, so every stream ends
+    exactly as an undisturbed run (valid JSON included)."""
+    prompts, params, expected = _ray_case(llm)
+
+    async def main() -> tuple[list[list[int]], int]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            # The SchedulerActor runs the model itself at world size 1.
+            actor = engine.engine_core.actor
+            victim = await actor.__ray_call__.remote(lambda _self: os.getpid())
+            tokens: list[list[int]] = [[] for _ in prompts]
+
+            async def consume(i: int) -> None:
+                async for out in engine.generate(prompts[i], params[i], f"r{i}"):
+                    tokens[i] += out.outputs[0].token_ids
+                    if i == 0 and len(tokens[0]) == 4:
+                        os.kill(victim, signal.SIGKILL)
+
+            await asyncio.gather(*(consume(i) for i in range(len(prompts))))
+            return tokens, engine.restarts.total
+        finally:
+            engine.shutdown()
+
+    tokens, restarts = asyncio.run(main())
+    assert restarts == 1 and len(expected[0]) > 4
+    assert tokens == expected
