@@ -283,3 +283,24 @@ def test_killed_engine_resumes_constrained_streams(ray_local: Any, tiny_model_di
     tokens, restarts = asyncio.run(main())
     assert restarts == 1 and len(expected[0]) > 4
     assert tokens == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, ("json_object", "", False)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "integer"}}}},
+         ("json", '{"type": "integer"}', False)),
+        ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}, ("regex", "a+", True)),
+        ({"guided_json": '{"type": "boolean"}'}, ("json", '{"type": "boolean"}', False)),
+        ({"guided_choice": ["x", "y"]}, ("choice", '["x", "y"]', False)),
+        ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"', False)),
+    ],
+)
+def test_request_forms_give_one_grammar(body: dict, key: tuple | None) -> None:
+    from rayvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+    for model, base in ((ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}), (CompletionRequest, {"prompt": "hi"})):
+        params = parse_request(model, base | body).to_sampling_params()
+        assert (params.structured_outputs.key if params.structured_outputs else None) == key
