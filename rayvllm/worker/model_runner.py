@@ -244,6 +244,10 @@ class ModelRunner:
         so input uploads do not stall the stream."""
         return t if self.on_cpu else t.pin_memory().to(self.device, non_blocking=True)
 
+    def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
+
     # ---- one step ----------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -389,11 +393,9 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(plan.states) if ends[i] >= s.num_tokens]
         sampled_states = [plan.states[i] for i in sample_idx]
         # Filled on the grammar thread while the forward runs.
-        grammar = (
-            self.structured.prepare_bitmask([s.req_id for s in sampled_states])
-            if self.structured is not None
-            else None
-        )
+        grammar = None
+        if self.structured is not None and self.structured.has_requests:
+            grammar = self.structured.prepare_bitmask([s.req_id for s in sampled_states])
         hidden = self._replay_decode(plan) if self.cuda_graphs is not None else None
         if hidden is None:
             input_ids, positions, metadata = self._prepare_inputs(plan)

@@ -85,6 +85,10 @@ class StructuredOutputManager:
     def remove_request(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
 
+    @property
+    def has_requests(self) -> bool:
+        return bool(self._matchers)
+
     def prepare_bitmask(self, req_ids: list[str]) -> Future[GrammarBitmask] | None:
         """Start filling the bitmask of a sampling batch whose row i is
         `req_ids[i]`; None when no row is constrained."""
