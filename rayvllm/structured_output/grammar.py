@@ -87,7 +87,7 @@ def _parse(params: StructuredOutputsParams) -> None:
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and vocabulary, keeping the last
     `COMPILED_CACHE_SIZE` by `StructuredOutputsParams.key`. Thread-safe for
-    one caller thread at a time (the worker's grammar thread)."""
+    one caller thread at a time (the worker's compile thread)."""
 
     def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int) -> None:
         """`vocab_size`: the model's logits width, which may exceed the

@@ -392,7 +392,7 @@ class ModelRunner:
         ends = plan.starts + plan.q_lens
         sample_idx = [i for i, s in enumerate(plan.states) if ends[i] >= s.num_tokens]
         sampled_states = [plan.states[i] for i in sample_idx]
-        # Filled on the grammar thread while the forward runs.
+        # Filled on the fill thread while the forward runs.
         grammar = None
         if self.structured is not None and self.structured.has_requests:
             grammar = self.structured.prepare_bitmask([s.req_id for s in sampled_states])

@@ -134,7 +134,7 @@ class SamplingMetadata:
     # --- structured outputs: a token bitmask (xgrammar's layout) ------------
     # One row per batch row; the rows `grammar_rows` (None: all) are
     # constrained. Set by the runner, not the builder: the masks are filled
-    # on the grammar thread while the forward runs.
+    # on the fill thread while the forward runs.
     grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32
     grammar_rows: list[int] | None = None
 

@@ -12,13 +12,16 @@ emitted tokens), gets the matcher it had, and nothing about grammars lives
 anywhere else. The Ray path needs nothing more: the params travel with the
 request, the worker actor compiles.
 
-Threads. Compiling a grammar and filling bitmasks run on one grammar
-thread (xgrammar releases the GIL for both), in submission order: a new
-request's compile is queued when the worker first sees it, the fill of a
-step's rows right after the step is planned, so both overlap the forward,
-and a fill finds every matcher it needs already built. The runner's thread
-touches matchers only in `accept_tokens`, after it has waited for the
-step's fill, when the grammar thread has nothing of theirs left to run.
+Threads. A new request's matcher is built (its grammar compiled, tens of
+milliseconds to seconds by vocabulary, then cached) on a compile thread
+from the moment the worker first sees the request, so it overlaps the
+prompt's forward and never delays the masks of other requests; a step's
+masks are filled on a fill thread from the moment the step is planned, so
+they overlap the forward (xgrammar releases the GIL for both). A fill
+waits for the matchers of its own rows only. Each matcher is touched by
+one thread at a time: the compile thread until it is built, then the fill
+thread during a fill of its row, then the runner's thread in
+`accept_tokens`, which runs only after the step's fill is done.
 
 Invariant (what makes async scheduling correct): the bitmask a request's
 row gets in step k is filled from its matcher after that matcher accepted
@@ -70,7 +73,7 @@ class StructuredOutputManager:
         self.vocab_size = model_config.vocab_size
         self._compiler: "GrammarCompiler | None" = None
         self._matchers: dict[str, Future[Any]] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: dict[str, ThreadPoolExecutor] = {}
 
     # ---- requests in and out (the runner's thread) --------------------------------
 
@@ -80,7 +83,7 @@ class StructuredOutputManager:
         self._matchers.pop(req_id, None)
         if params.structured_outputs is None:
             return
-        self._matchers[req_id] = self._submit(self._build, params, list(output_token_ids))
+        self._matchers[req_id] = self._submit("compile", self._build, params, list(output_token_ids))
 
     def remove_request(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
@@ -95,7 +98,7 @@ class StructuredOutputManager:
         rows = [(i, self._matchers[r]) for i, r in enumerate(req_ids) if r in self._matchers]
         if not rows:
             return None
-        return self._submit(self._fill, rows, len(req_ids))
+        return self._submit("fill", self._fill, rows, len(req_ids))
 
     def accept_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
         """Advance the matchers of a step's constrained rows by their sampled
@@ -109,15 +112,16 @@ class StructuredOutputManager:
                 raise RuntimeError(f"request {req_id}: its grammar rejected token {token} sampled under its mask")
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    # ---- on the grammar thread --------------------------------------------------------
+    # ---- on the compile and fill threads ----------------------------------------------
 
-    def _submit(self, fn: Any, *args: Any) -> Future[Any]:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rayvllm-grammar")
-        return self._pool.submit(fn, *args)
+    def _submit(self, thread: str, fn: Any, *args: Any) -> Future[Any]:
+        pool = self._pools.get(thread)
+        if pool is None:
+            pool = self._pools[thread] = ThreadPoolExecutor(1, thread_name_prefix=f"rayvllm-grammar-{thread}")
+        return pool.submit(fn, *args)
 
     def _grammar_compiler(self) -> "GrammarCompiler":
         """Built on the first constrained request: it loads the tokenizer and
@@ -141,7 +145,7 @@ class StructuredOutputManager:
     def _fill(self, rows: list[tuple[int, Future[Any]]], num_rows: int) -> GrammarBitmask:
         bitmask = torch.empty((num_rows, -(-self.vocab_size // 32)), dtype=torch.int32)
         for i, future in rows:
-            matcher = future.result()  # built already: queued on this thread before this fill
+            matcher = future.result()  # waits for a compile still running
             if matcher.is_terminated():
                 bitmask[i] = -1
             else:
