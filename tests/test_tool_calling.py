@@ -202,3 +202,20 @@ def test_auto_with_a_model_that_calls_nothing_is_plain_text(serving: Any) -> Non
     assert not choice.message.tool_calls and choice.message.content and choice.finish_reason != "tool_calls"
     prompt = serving[0].engine.processor.render_chat(MESSAGES, tools=[WEATHER])
     assert "<tools>" in prompt and '"get_weather"' in prompt
+
+
+def test_tool_choice_none_and_a_multi_turn_conversation(serving: Any) -> None:
+    """"none" renders the tools but parses nothing; earlier calls and their
+    results reach the model through the template."""
+    turns = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny"},
+    ]
+    response = _chat(serving, dict(messages=turns, tools=[WEATHER], tool_choice="none", temperature=0.0, max_tokens=6))
+    choice = response.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+    prompt = serving[0].engine.processor.render_chat(_request(messages=turns).template_messages(), tools=[WEATHER])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
