@@ -25,7 +25,7 @@ from rayvllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.engine_args import EngineArgs  # noqa: E402
 from rayvllm.errors import InvalidParameterError  # noqa: E402
-from rayvllm.structured_output.bitmask import apply_token_bitmask_  # noqa: E402
+from rayvllm.structured_output.bitmask import apply_token_bitmask_, apply_token_bitmask_torch_  # noqa: E402
 from hf_oracle import hf_model  # noqa: E402
 
 SCHEMA = {
@@ -144,10 +144,19 @@ def test_bitmask_rows_apply_only_where_constrained() -> None:
     logits = torch.randn(3, 100)
     bitmask = torch.zeros(3, 4, dtype=torch.int32)
     bitmask[2, 1] = 1 << 3  # row 2 allows token 35 only
-    out = logits.clone()
-    apply_token_bitmask_(out, bitmask, [2])
-    assert torch.equal(out[:2], logits[:2])
-    assert out[2, 35] == logits[2, 35] and (out[2] == float("-inf")).sum() == 99
+    for apply in (apply_token_bitmask_, apply_token_bitmask_torch_):
+        out = logits.clone()
+        apply(out, bitmask, [2])
+        assert torch.equal(out[:2], logits[:2])
+        assert out[2, 35] == logits[2, 35] and (out[2] == float("-inf")).sum() == 99
+    # The torch path (other devices) equals xgrammar's kernel (the CPU's).
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 32), dtype=torch.int32, generator=gen)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_token_bitmask_torch_(ours, bitmask, [4, 0, 2])
+    apply_token_bitmask_(theirs, bitmask, [4, 0, 2])
+    assert torch.equal(ours, theirs)
 
 
 def test_async_scheduling_and_preemption_keep_outputs(tiny_model_dir: Path, llm: LLM) -> None:
