@@ -48,6 +48,9 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # vLLM's: whether it may fall back to another grammar backend. There is
+    # one backend here, so never; accepted for clients that send it.
+    disable_fallback: bool = False
 
 
 class StructuredOutputRequestFields(BaseModel):
