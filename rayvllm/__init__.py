@@ -1,8 +1,8 @@
 """rayvllm: a vLLM-class LLM inference and serving engine, native to Ray."""
 
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams", "LLM", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "LLM", "RequestOutput", "CompletionOutput", "EngineArgs"]
 
 
 def __getattr__(name: str):

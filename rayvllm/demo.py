@@ -21,7 +21,7 @@ DEMO_SPEC = RandomModelSpec(
     seed=1234,
 )
 # Bump when DEMO_SPEC or the builder changes, so stale caches are not reused.
-DEMO_VERSION = "3"
+DEMO_VERSION = "4"
 
 
 def demo_model_path() -> Path:

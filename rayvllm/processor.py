@@ -161,7 +161,8 @@ class Processor:
     max_model_len; all prompt ids in [0, vocab_size); `sampling_params` is a
     private copy with `max_tokens` concrete and `prompt_len + max_tokens <=
     max_model_len`; `all_stop_token_ids` = stop_token_ids plus the EOS ids
-    (unless ignore_eos); `eos_token_id` is the primary EOS (or None). The
+    (unless ignore_eos, which a grammar overrides); a structured request's
+    grammar parses; `eos_token_id` is the primary EOS (or None). The
     caller's SamplingParams is never mutated.
     """
 
@@ -394,10 +395,25 @@ class Processor:
                 raise InvalidParameterError(name, f"must be <= {self.max_logprobs}, got {value}")
         resolved = params.clone(max_tokens=max_tokens)
         stops = set(resolved.stop_token_ids or ())
-        if not resolved.ignore_eos:
+        # A finished grammar allows only stop tokens, so a constrained
+        # request ends with its grammar: its EOS counts even with ignore_eos.
+        if not resolved.ignore_eos or resolved.structured_outputs is not None:
             stops.update(self.eos_token_ids)
         resolved.all_stop_token_ids = stops
+        if resolved.structured_outputs is not None:
+            self._check_structured_outputs(resolved)
         return resolved
+
+    @staticmethod
+    def _check_structured_outputs(params: SamplingParams) -> None:
+        from rayvllm.structured_output.grammar import validate
+
+        assert params.structured_outputs is not None
+        if not params.all_stop_token_ids:
+            raise InvalidParameterError(
+                "structured_outputs", "needs a token to end on: the model has no EOS token and no stop_token_ids were given"
+            )
+        validate(params.structured_outputs)
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from rayvllm.errors import InvalidParameterError
+from rayvllm.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 _GREEDY_EPS = 1e-5
 # Seeds are signed 64-bit integers, as OpenAI's API types them.
@@ -59,6 +62,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # The output must match this grammar (JSON schema, regex, choice, EBNF).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the Processor from the tokenizer/generation config, never by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -142,6 +147,13 @@ class SamplingParams:
                 raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
             if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            # Stop ids are barred until min_tokens, but a finished grammar
+            # allows nothing else: the row would have no token left.
+            if self.min_tokens:
+                raise bad("min_tokens", "cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:

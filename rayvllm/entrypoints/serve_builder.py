@@ -178,6 +178,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         max_request_bytes=server.max_request_bytes,
         trust_request_chat_template=server.trust_request_chat_template,
         step_timeout_s=server.step_timeout_s,
+        enable_auto_tool_choice=server.enable_auto_tool_choice,
+        tool_call_parser=server.tool_call_parser,
     )
 
 

@@ -4,7 +4,9 @@ serve --flag` all read, so each default lives here only. Ray-free."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rayvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 # Unfinished requests a server admits per sequence slot of its engine
 # (max_num_seqs) unless `max_pending_requests` says otherwise: enough queue
@@ -54,3 +56,16 @@ class ServerArgs(BaseModel):
     trust_request_chat_template: bool = Field(
         False, description="accept a chat_template in requests (vLLM's name; off by default)"
     )
+    enable_auto_tool_choice: bool = Field(
+        False, description='let the model call tools on its own (tool_choice "auto"); needs tool_call_parser'
+    )
+    tool_call_parser: str | None = Field(
+        None, description=f"how tool calls are found in the model's text: {', '.join(TOOL_PARSERS)} (vLLM's names)"
+    )
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool_call_parser {value!r}; expected one of {', '.join(TOOL_PARSERS)}")
+        return value

@@ -20,3 +20,7 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if hasattr(self, "runner"):  # initialize() may have failed before it
+            self.runner.shutdown()

@@ -41,6 +41,7 @@ from rayvllm.worker.input_batch import CachedRequestState, InputBatch
 from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.worker.sampler import Sampler
 from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata
+from rayvllm.worker.structured_outputs import StructuredOutputManager
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 
@@ -75,6 +76,8 @@ class ModelRunner:
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
         )
         self.sampler = Sampler()
+        # Grammar matchers live where tokens are sampled.
+        self.structured = StructuredOutputManager(self.model_config) if self.parallel.is_driver else None
         self.attn_backend = select_attention_backend(
             self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend
         )
@@ -241,17 +244,23 @@ class ModelRunner:
         so input uploads do not stall the stream."""
         return t if self.on_cpu else t.pin_memory().to(self.device, non_blocking=True)
 
+    def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
+
     # ---- one step ----------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in so.finished_req_ids:
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             batch.remove(req_id)
-        for req_id in so.preempted_req_ids:
-            batch.remove(req_id)
+            if self.structured is not None:
+                self.structured.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove(new.req_id)  # resumed after preemption: start over
             params = new.sampling_params
+            if self.structured is not None:
+                self.structured.add_request(new.req_id, params, new.output_token_ids)
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(device=self.device)
@@ -378,6 +387,15 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], None, {})
         plan = self._plan(so)
+        # Sample only for requests whose scheduled tokens reach their end;
+        # the others are mid-way through a chunked prefill.
+        ends = plan.starts + plan.q_lens
+        sample_idx = [i for i, s in enumerate(plan.states) if ends[i] >= s.num_tokens]
+        sampled_states = [plan.states[i] for i in sample_idx]
+        # Filled on the fill thread while the forward runs.
+        grammar = None
+        if self.structured is not None and self.structured.has_requests:
+            grammar = self.structured.prepare_bitmask([s.req_id for s in sampled_states])
         hidden = self._replay_decode(plan) if self.cuda_graphs is not None else None
         if hidden is None:
             input_ids, positions, metadata = self._prepare_inputs(plan)
@@ -385,12 +403,6 @@ class ModelRunner:
         if hidden is None:
             return ModelRunnerOutput([], [], None, {})
 
-        # Sample only for requests whose scheduled tokens reach their end;
-        # the others are mid-way through a chunked prefill.
-        ends = plan.starts + plan.q_lens
-        sample_idx = [
-            i for i, s in enumerate(plan.states) if ends[i] >= s.num_tokens
-        ]
         prompt_logprobs: dict[str, LogprobsLists] = {}
         for i, state in enumerate(plan.states):
             if state.wants_prompt_logprobs and plan.starts[i] < len(state.prompt_token_ids):
@@ -400,15 +412,20 @@ class ModelRunner:
 
         if not sample_idx:
             return ModelRunnerOutput([], [], None, prompt_logprobs)
-        sampled_states = [plan.states[i] for i in sample_idx]
         last_rows = torch.from_numpy(plan.cu_q[1:][sample_idx] - 1)
         logits = self.model.compute_logits(hidden.index_select(0, self._to_device(last_rows)))
         if logits is None:  # a TP rank that only contributed its vocabulary shard
             return ModelRunnerOutput([], [], None, {})
         metadata_s = build_sampling_metadata(sampled_states, logits.shape[-1])
+        if grammar is not None:
+            masks = grammar.result()
+            metadata_s.grammar_bitmask, metadata_s.grammar_rows = masks.bitmask, masks.rows
         out = self.sampler(logits, metadata_s)
         # The step's one unavoidable sync: ids stay on the device until here.
         token_ids: list[int] = out.sampled_token_ids.tolist()
+        if grammar is not None:
+            assert self.structured is not None
+            self.structured.accept_tokens([s.req_id for s in sampled_states], token_ids)
         for state, token in zip(sampled_states, token_ids):
             self.input_batch.append_token(state, token)
         logprobs = out.logprobs.tolists() if out.logprobs is not None else None

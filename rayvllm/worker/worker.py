@@ -119,5 +119,7 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -124,6 +124,8 @@ class LLMServer:
         max_request_bytes: int | None = None,
         trust_request_chat_template: bool = False,
         step_timeout_s: float | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         """Server options as `server_args.ServerArgs` documents them
         (its defaults are the served ones; None here means no limit)."""
@@ -147,6 +149,7 @@ class LLMServer:
         self.serving = OpenAIServing(
             self.engine, [self.engine.served_model_name], self.engine.max_model_len,
             trust_request_chat_template=trust_request_chat_template,
+            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
         )
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes

@@ -18,7 +18,10 @@ import uuid
 from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_serializer, field_validator
+from pydantic import SerializerFunctionWrapHandler, model_serializer
 
+from rayvllm.entrypoints.openai.structured_request import StructuredOutputRequestFields
+from rayvllm.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall, ToolRequestFields
 from rayvllm.errors import InvalidParameterError, RayvllmError
 from rayvllm.sampling_params import SamplingParams
 
@@ -193,7 +196,7 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(OpenAIBaseModel):
+class _GenerationRequest(StructuredOutputRequestFields, OpenAIBaseModel):
     """Fields both generation endpoints share, OpenAI's then vLLM's.
 
     None means "not sent": `SamplingParams` then applies its default, so
@@ -241,6 +244,8 @@ class _GenerationRequest(OpenAIBaseModel):
 
     def openai_param(self, name: str) -> str:
         """The request field a `SamplingParams`/`Processor` error about `name` is about."""
+        if name.startswith("structured_outputs"):
+            return self.structured_outputs_field(name)
         return self._PARAM_NAMES.get(name, name)
 
     def translate_error(self, exc: InvalidParameterError) -> InvalidParameterError:
@@ -266,6 +271,7 @@ class _GenerationRequest(OpenAIBaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "prompt_logprobs": self.prompt_logprobs,
+            "structured_outputs": self.structured_outputs_params(),
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -368,7 +374,7 @@ class _ChatTemplateOptions(OpenAIBaseModel):
         }
 
 
-class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
+class ChatCompletionRequest(ToolRequestFields, _ChatTemplateOptions, _GenerationRequest):
     """POST /v1/chat/completions.
 
     `max_completion_tokens` wins over the deprecated `max_tokens`; neither
@@ -399,6 +405,9 @@ class ChatCompletionRequest(_ChatTemplateOptions, _GenerationRequest):
             return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         if name in ("prompt", "prompt_token_ids"):
             return "messages"
+        if name.startswith("structured_outputs"):
+            # A forced tool call's constraint is built from the tools.
+            return "tools" if self.tool_choice_mode in ("required", "named") else self.structured_outputs_field(name)
         return name
 
     @property
@@ -490,8 +499,18 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
+    """`tool_calls` appears in the JSON only when the model called tools."""
+
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -534,6 +553,7 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

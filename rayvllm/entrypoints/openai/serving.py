@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pydantic import BaseModel
 
+from rayvllm.entrypoints.openai.chat_tools import ChatTools, ChoiceToolCalls
 from rayvllm.entrypoints.openai.logprobs import LogprobFormatter, padded, prompt_logprobs_field
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -50,6 +51,7 @@ from rayvllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, OutputStream, sse, sse_error
 from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
 from rayvllm.errors import InvalidParameterError, ModelNotFoundError
@@ -235,16 +237,24 @@ class OpenAIServing:
 
     def __init__(
         self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
-        trust_request_chat_template: bool = False,
+        trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         """`trust_request_chat_template`: accept a `chat_template` in requests
-        (otherwise such a request is a 400 naming the field)."""
+        (otherwise such a request is a 400 naming the field).
+        `enable_auto_tool_choice`, `tool_call_parser`: vLLM's options; the
+        model may then call tools on its own (`tool_choice="auto"`), found
+        in its text by that parser (chat_tools.py)."""
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # an unknown name fails the start, not every request
         self.engine = engine
         self.trust_request_chat_template = trust_request_chat_template
         # Templates from requests run in a child process, bounded (template_sandbox.py).
         self._client_templates = ClientTemplateRenderer(engine.tokenizer) if trust_request_chat_template else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
         self._logprobs = LogprobFormatter(engine.tokenizer)
@@ -396,20 +406,21 @@ class OpenAIServing:
         """
         model = self._model_name(req.model)
         with _named_for(req):
-            params = req.to_sampling_params()
-            prompt = await self._render_chat(req)
+            tools = ChatTools.from_request(req, self.enable_auto_tool_choice, self.tool_call_parser)
+            params = self._with_tool_constraint(req.to_sampling_params(), tools)
+            prompt = await self._render_chat(req, req.template_tools())
         streams = await self._start(req, [prompt], params, request_id)
         tally = _Tally(1, params.n, keep_outputs=not req.stream)
         response_id = _response_id("chatcmpl-", request_id)
         created = int(time.time())
         if req.stream:
-            events = self._chat_events(req, streams, tally, response_id, created, model)
+            events = self._chat_events(req, streams, tally, response_id, created, model, tools)
             final = partial(ChatCompletionStreamResponse, id=response_id, created=created, model=model, choices=[])
             return EventStream(_framed(events, "chat", response_id, tally, final, req.include_usage), streams.aclose)
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 tally.absorb(prompt_index, out)
-        choices = [self._chat_choice(req, tally, index) for index in range(params.n)]
+        choices = [self._chat_choice(req, tally, index, tools) for index in range(params.n)]
         prompt_state = tally.prompt(0)
         return ChatCompletionResponse(
             id=response_id,
@@ -422,16 +433,33 @@ class OpenAIServing:
             ),
         )
 
-    def _chat_choice(self, req: ChatCompletionRequest, tally: _Tally, index: int) -> ChatCompletionResponseChoice:
+    @staticmethod
+    def _with_tool_constraint(params: SamplingParams, tools: ChatTools | None) -> SamplingParams:
+        if tools is None or tools.constraint is None:
+            return params
+        if params.structured_outputs is not None:
+            raise InvalidParameterError(
+                "tool_choice", f'"{tools.mode}" cannot be combined with another structured output (response_format)'
+            )
+        return params.clone(structured_outputs=tools.constraint)
+
+    def _chat_choice(
+        self, req: ChatCompletionRequest, tally: _Tally, index: int, tools: ChatTools | None
+    ) -> ChatCompletionResponseChoice:
         choice = tally.choice(index)
         logprobs = None
         if req.logprobs:
             logprobs = self._logprobs.chat(choice.token_ids, choice.logprobs, req.top_logprobs or 0)
+        content: str | None = "".join(choice.text)
+        tool_calls = []
+        if tools is not None:
+            assert content is not None
+            content, tool_calls = tools.for_choice().whole(content)
         return ChatCompletionResponseChoice(
             index=index,
-            message=ChatMessage(role="assistant", content="".join(choice.text)),
+            message=ChatMessage(role="assistant", content=content, tool_calls=tool_calls),
             logprobs=logprobs,
-            finish_reason=choice.finish_reason,
+            finish_reason=ChatTools.finish_reason(choice.finish_reason, bool(tool_calls)),
             stop_reason=choice.stop_reason,
         )
 
@@ -443,8 +471,12 @@ class OpenAIServing:
         response_id: str,
         created: int,
         model: str,
+        tools: ChatTools | None,
     ) -> AsyncGenerator[str, None]:
         include_usage = req.include_usage
+        # Per choice: its tool-call parser and whether it has called a tool.
+        tool_states: dict[int, ChoiceToolCalls] = {}
+        called: set[int] = set()
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             response = ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=[choice])
@@ -465,12 +497,23 @@ class OpenAIServing:
                             delta.token_ids, delta.logprobs or [], req.top_logprobs or 0
                         )
                     content = delta.text if (delta.text or delta.token_ids) else None
+                    message = DeltaMessage(content=content)
+                    finish_reason = delta.finish_reason
+                    if tools is not None:
+                        state = tool_states.setdefault(choice.index, tools.for_choice())
+                        part = state.stream(delta.text, final=delta.finish_reason is not None)
+                        if part.tool_calls:
+                            called.add(choice.index)
+                        message = DeltaMessage(content=part.content or None, tool_calls=part.tool_calls or None)
+                        finish_reason = ChatTools.finish_reason(finish_reason, choice.index in called)
+                        if message.content is None and message.tool_calls is None and finish_reason is None:
+                            continue
                     yield chunk(
                         ChatCompletionResponseStreamChoice(
                             index=choice.index,
-                            delta=DeltaMessage(content=content),
+                            delta=message,
                             logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=delta.stop_reason,
                         )
                     )
@@ -503,17 +546,21 @@ class OpenAIServing:
         tokens = processor.tokenize(text, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
-    async def _render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
-        """The conversation as prompt text: with the server's template here,
-        with a request's own (if the operator trusts them) in the sandbox."""
+    async def _render_chat(
+        self, req: ChatCompletionRequest | TokenizeChatRequest, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation (and `tools`) as prompt text: with the server's
+        template here, with a request's own (if the operator trusts them) in
+        the sandbox."""
+        options = {**req.template_options(), "tools": tools}
         if req.chat_template is None:
-            return self.engine.processor.render_chat(req.template_messages(), **req.template_options())
+            return self.engine.processor.render_chat(req.template_messages(), **options)
         if self._client_templates is None:
             raise InvalidParameterError(
                 "chat_template",
                 "this server does not take chat templates from requests (server option trust_request_chat_template)",
             )
-        return await self._client_templates.render(req.template_messages(), req.template_options())
+        return await self._client_templates.render(req.template_messages(), options)
 
     def close(self) -> None:
         """Stop the client-template child, if one runs."""
