@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
 
@@ -52,6 +53,11 @@ class EngineCoreRequest:
     restarted engine carries the tokens it had already produced, which the
     core takes as its output so far (recomputed as context, counted against
     max_tokens and penalties, a seeded generator advanced past them).
+
+    A pooling request (`pooling_params` set) finishes once its prompt is
+    computed, with the pooled vector and no token; its `sampling_params`
+    (max_tokens=1, no stop ids) only keep the scheduler's length
+    bookkeeping uniform: nothing samples with them.
     """
 
     request_id: str
@@ -64,6 +70,7 @@ class EngineCoreRequest:
     # Set on the children of an n > 1 request; they share the prompt's blocks.
     parent_request_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
 
 
 class Request:
@@ -85,6 +92,7 @@ class Request:
         self.priority = core_req.priority
         self.cache_salt = core_req.cache_salt
         self.parent_request_id = core_req.parent_request_id
+        self.pooling_params = core_req.pooling_params
         self.prompt_token_ids = list(core_req.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = list(core_req.output_token_ids)
@@ -106,6 +114,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a cached prefix may stand in for computing it: not when
+        every prompt position's output is wanted (prompt logprobs, mean pooling)."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is None and (pooling is None or pooling.pooling_type != "MEAN")
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,7 +12,8 @@ from rayvllm.config import EngineConfig
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine_args import EngineArgs
 from rayvllm.output_processor import OutputProcessor
-from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.processor import Processor
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
@@ -51,7 +52,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
@@ -69,7 +70,7 @@ class LLMEngine:
         self.engine_core.abort_requests(ids)
         return self.output_processor.abort_requests(ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.engine_core.step()
         result = self.output_processor.process_outputs(core_outputs)
         if result.reqs_to_abort:

@@ -58,13 +58,16 @@ def load_model(
     device: str = "cpu",
     parallel: ParallelContext | None = None,
     fused_kv_write: bool = True,
+    with_lm_head: bool = True,
 ) -> LlamaForCausalLM:
     """This rank's part of the model (all of it without `parallel`).
 
     Parameters are created in `dtype` on `device` directly: a float32
     model converted afterwards would need twice the weights' memory on a
     GPU for a moment. `fused_kv_write`: the attention backend lets the
-    float32 CPU model store K/V with its fused RoPE kernel."""
+    float32 CPU model store K/V with its fused RoPE kernel. `with_lm_head`:
+    False for a pooling runner, which never computes logits (a checkpoint's
+    LM head is then skipped, and may be absent)."""
     archs = hf_config.get("architectures") or []
     cls = next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
     if cls is None:
@@ -72,7 +75,7 @@ def load_model(
             "model", f"architectures {archs} not supported; supported: {', '.join(MODEL_REGISTRY)}"
         )
     with torch.device(device), _default_dtype(dtype):
-        model = cls(hf_config, dtype, parallel).to(dtype)
+        model = cls(hf_config, dtype, parallel, with_lm_head=with_lm_head).to(dtype)
     model.load_weights(iterate_weights(Path(model_dir), dtype))
     if device == "cpu" and dtype == torch.float32:
         model.optimize_for_cpu(use_c_kernels=cpu_ops.available(), fused_kv_write=fused_kv_write)
