@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rayvllm.request import EngineCoreRequest, FinishReason
@@ -51,13 +52,13 @@ class ModelRunnerOutput:
     `req_ids` when any of them asked for logprobs. `prompt_logprobs` holds, per
     request that asked, the rows for the prompt positions computed this step.
     A pooling runner samples nothing: `pooler_output` holds the vector
-    (float32, on the host) of each request whose prompt ended this step."""
+    (float32 numpy, on the host) of each request whose prompt ended this step."""
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: LogprobsLists | None
     prompt_logprobs: dict[str, LogprobsLists]
-    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Set on a request's first token only: when the scheduler first ran it.
     first_scheduled_time: float | None = None
-    pooling_output: torch.Tensor | None = None
+    pooling_output: np.ndarray | None = None
 
     def __reduce__(self) -> tuple[type["EngineCoreOutput"], tuple[object, ...]]:
         # A step's outputs cross a process boundary on the Ray path; default
@@ -99,7 +100,7 @@ class EngineCoreOutput:
             self.pooling_output,
         )
         end = len(args)
-        # None defaults by identity: a tensor compared with == is no bool.
+        # None defaults by identity: an array compared with == is no bool.
         while end > 2 and (
             args[end - 1] is None if _DEFAULTS[end - 1] is None else args[end - 1] == _DEFAULTS[end - 1]
         ):

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from rayvllm.detokenizer import RequestDetokenizer
 from rayvllm.engine_types import EngineCoreOutput, LogprobsLists
 from rayvllm.errors import InvalidParameterError
@@ -469,7 +471,7 @@ class OutputProcessor:
             completion = state.make_output(state.group.output_kind)
             if completion is not None:  # None: FINAL_ONLY and still running
                 touched.setdefault(state.group.request_id, {})[state.index] = completion
-        result.request_outputs = self._make_request_outputs(touched)
+        result.request_outputs += self._make_request_outputs(touched)
         return result
 
     def abort_requests(self, request_ids: Iterable[str], now: float | None = None) -> list[RequestOutput]:
@@ -512,7 +514,7 @@ class OutputProcessor:
         del self._groups[group.request_id]
         return PoolingRequestOutput(
             request_id=group.request_id,
-            outputs=PoolingOutput(out.pooling_output),
+            outputs=PoolingOutput(torch.from_numpy(out.pooling_output)),
             prompt_token_ids=group.prompt_token_ids,
             num_cached_tokens=out.num_cached_tokens,
         )

@@ -1,7 +1,7 @@
 """Embeddings from the pooling runner equal transformers' final hidden
 states (the last token's, or the mean over the prompt; L2-normalised and
 not) within 1e-4 in float32, through `LLM.embed`: batched through the
-scheduler with chunked prefill and preemption, with prefix-cache hits for
+scheduler with chunked prefill (and a preemption mid-prefill), with prefix-cache hits for
 last-token pooling (mean pooling reads no cached prefix), in-process and on
 the Ray path. Plus the knobs (`runner`, `task`, `pooler_config`) and the
 errors of asking a model for what its runner does not do."""
@@ -28,8 +28,7 @@ SPECS = {
         arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, seed=33
     ),
 }
-# A 32-token budget chunks every long prompt; 17 blocks of 16 tokens for
-# 10 prompts of up to ~90 tokens make the scheduler preempt mid-prefill.
+# A 32-token budget chunks every long prompt over several steps.
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks_override=17, max_num_seqs=8)
 TOL = 1e-4
 
@@ -78,6 +77,32 @@ def test_embed_matches_transformers(models: dict[str, Path], name: str, pooling:
             assert stats.hits > 0  # the second pass reused cached prefixes, and stayed exact
         else:
             assert stats.queries == 0  # mean pooling computes every position itself
+    finally:
+        llm.shutdown()
+
+
+def test_preempted_mid_prefill_starts_over(models: dict[str, Path]) -> None:
+    """A mean-pooled request preempted after its first chunk is recomputed
+    from scratch: the worker's partial sum goes with its dropped state."""
+    model_dir = models["llama"]
+    prompt = _prompts()[0]
+    assert len(prompt) > 2 * ENGINE["max_num_batched_tokens"]
+    llm = LLM(str(model_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"}, **ENGINE)
+    try:
+        engine = llm.llm_engine
+        engine.add_request("p", {"prompt_token_ids": prompt}, PoolingParams())
+        assert engine.step() == []
+        scheduler = engine.engine_core.scheduler
+        [request] = scheduler.running
+        assert 0 < request.num_computed_tokens < len(prompt)
+        scheduler._preempt(request)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        [out] = outputs
+        want = hf_embedding(model_dir, prompt, "MEAN", True)
+        assert (out.outputs.data - want).abs().max().item() < TOL
+        assert scheduler.num_preemptions == 1
     finally:
         llm.shutdown()
 

@@ -32,10 +32,13 @@ class Pooler:
         q_lens: np.ndarray,
         cu_q: np.ndarray,
         hidden: torch.Tensor,
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, np.ndarray]:
         """Fold this step's rows (request i owns `hidden[cu_q[i]:cu_q[i+1]]`,
         positions from `starts[i]`) into each request; return the float32
-        host vector of every request whose prompt ended in this step."""
+        host vector of every request whose prompt ended in this step, as
+        numpy: torch tensors sent over a multiprocessing connection (the
+        Ray path's channels) travel as shared-memory handles that a process
+        of another family cannot open."""
         done: list[str] = []
         vectors: list[torch.Tensor] = []
         normalize: list[bool] = []
@@ -61,6 +64,7 @@ class Pooler:
         stacked = torch.stack(vectors)
         mask = torch.tensor(normalize, device=stacked.device)
         stacked = torch.where(mask[:, None], F.normalize(stacked, p=2, dim=-1), stacked)
-        # One copy to the host for the batch; each row its own storage, so a
-        # vector pickled alone (the Ray path) does not carry the others.
-        return {req_id: row.clone() for req_id, row in zip(done, stacked.cpu())}
+        # One copy to the host for the batch; each row its own buffer, so a
+        # vector pickled alone does not carry the others.
+        host = stacked.cpu().numpy()
+        return {req_id: host[i].copy() for i, req_id in enumerate(done)}
