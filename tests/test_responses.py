@@ -106,6 +106,7 @@ def test_stream_events_in_order_and_deltas_join(client: "openai.OpenAI") -> None
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas
     ending = "response.completed" if whole.status == "completed" else "response.incomplete"
     assert kinds == EVENT_ORDER + ["response.output_text.delta"] * len(deltas) + CLOSING + [ending]
     text = "".join(e.delta for e in deltas)
