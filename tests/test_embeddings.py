@@ -120,6 +120,9 @@ def test_text_prompts_and_lm_head_skipped(models: dict[str, Path]) -> None:
         assert out.prompt_token_ids == ids
         want = hf_embedding(model_dir, ids, "LAST", True)
         assert (torch.tensor(out.outputs.embedding) - want).abs().max().item() < TOL
+        [pooled] = llm.encode({"prompt": "Hello, my name is"}, use_tqdm=False)
+        assert pooled.outputs.data.dtype == torch.float32
+        assert (pooled.outputs.data - want).abs().max().item() < TOL
         # A pooled prompt may fill the context: nothing is generated after it.
         assert len(llm.embed([[9] * 256], use_tqdm=False)[0].outputs.embedding) == 128
         with pytest.raises(PromptTooLongError):

@@ -108,3 +108,19 @@ def test_generation_routes_refuse_a_pooling_model(server: ServeProcess, route: s
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "model" and "does not generate text" in error["message"]
+
+
+def _success_count() -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{BASE_URL}/metrics", timeout=30).text
+    return sum(
+        s.value for family in text_string_to_metric_families(text) for s in family.samples
+        if s.name == "rayvllm:request_success_total" and s.labels.get("finished_reason") == "stop"
+    )
+
+
+def test_metrics_count_embedding_requests(client: "openai.OpenAI") -> None:
+    before = _success_count()
+    client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert _success_count() == before + 2  # one engine request per input

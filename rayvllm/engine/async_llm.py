@@ -357,6 +357,8 @@ class AsyncLLM:
             self._started.discard(out.request_id)
             if isinstance(out, RequestOutput):
                 self.metrics.record_finished(out)
+            else:
+                self.metrics.record_pooled(out)
         queue = self._queues.get(out.request_id)
         if notify and queue is not None:
             queue.put_nowait(out)

@@ -89,11 +89,20 @@ class LLM:
         """One `EmbeddingRequestOutput` per prompt, in input order; the
         engine must run the pooling runner (`runner="pooling"` or
         `task="embed"`)."""
+        return [EmbeddingRequestOutput.from_base(out) for out in self.encode(prompts, pooling_params, use_tqdm)]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One `PoolingRequestOutput` per prompt (`outputs.data`: the vector
+        as a float32 tensor), in input order; a pooling runner's engine."""
         prompt_list = _prompt_list(prompts)
         params_list = _per_prompt(pooling_params, PoolingParams, len(prompt_list), "pooling_params")
         ids = self._add_requests(prompt_list, params_list, None)
-        outputs = cast(list[PoolingRequestOutput], self._run_engine(ids, use_tqdm))
-        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+        return cast(list[PoolingRequestOutput], self._run_engine(ids, use_tqdm))
 
     def _add_requests(
         self,
