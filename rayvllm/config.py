@@ -46,6 +46,21 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> tor
     return _DTYPES[dtype]
 
 
+def read_hf_config(model: str) -> dict:
+    """The parsed config.json of a model directory."""
+    config_path = Path(model) / "config.json"
+    if not config_path.exists():
+        raise InvalidParameterError("model", f"no config.json in {model!r}")
+    return json.loads(config_path.read_text())
+
+
+def is_pooling_only(hf_config: dict) -> bool:
+    """A bare decoder checkpoint (`LlamaModel`, `Qwen2Model`, ...: no LM
+    head, as embedding models ship) can only pool, as in vLLM."""
+    archs = hf_config.get("architectures") or []
+    return bool(archs) and all(str(a).endswith("Model") for a in archs)
+
+
 @dataclass
 class PoolerConfig:
     """How the pooling runner turns a prompt's final hidden states (after
@@ -96,11 +111,11 @@ class ModelConfig:
         served_model_name: str | None = None,
         runner_type: str = "generate",
         pooler_config: PoolerConfig | None = None,
+        hf_config: dict | None = None,
     ) -> "ModelConfig":
-        config_path = Path(model) / "config.json"
-        if not config_path.exists():
-            raise InvalidParameterError("model", f"no config.json in {model!r}")
-        hf_config = json.loads(config_path.read_text())
+        """`hf_config`: the model's config.json when the caller read it already."""
+        if hf_config is None:
+            hf_config = read_hf_config(model)
         derived = int(hf_config.get("max_position_embeddings", 2048))
         if max_model_len is None:
             max_model_len = derived

@@ -22,6 +22,8 @@ from rayvllm.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    is_pooling_only,
+    read_hf_config,
 )
 from rayvllm.errors import InvalidParameterError
 
@@ -110,18 +112,25 @@ class EngineArgs(BaseModel):
             return self.attention_backend
         return os.environ.get(ATTENTION_BACKEND_ENV, "auto")
 
-    def resolve_runner(self) -> str:
-        """"generate" or "pooling", from `runner` and the older `task`."""
+    def resolve_runner(self, hf_config: dict | None = None) -> str:
+        """"generate" or "pooling", from `runner`, the older `task` and (for
+        "auto") the checkpoint: a bare decoder without LM head pools."""
         task = self.task
         if task not in _TASKS:
             raise InvalidParameterError("task", f"must be one of {', '.join(str(t) for t in _TASKS)}, got {task!r}")
         wants_embed = task in ("embed", "embedding")
+        pooling_only = hf_config is not None and is_pooling_only(hf_config)
         if self.runner == "auto":
-            return "pooling" if wants_embed else "generate"
+            if task == "generate" and pooling_only:
+                raise InvalidParameterError("task", "this checkpoint has no LM head; it can only pool (task='embed')")
+            return "pooling" if wants_embed or pooling_only else "generate"
         if self.runner not in ("generate", "pooling"):
             raise InvalidParameterError("runner", f"must be auto, generate or pooling, got {self.runner!r}")
         if (self.runner == "pooling" and task == "generate") or (self.runner == "generate" and wants_embed):
             raise InvalidParameterError("task", f"{task!r} contradicts runner={self.runner!r}")
+        if self.runner == "generate" and pooling_only:
+            archs = (hf_config or {}).get("architectures")
+            raise InvalidParameterError("runner", f"architectures {archs} have no LM head; they can only pool")
         return self.runner
 
     def create_pooler_config(self, runner: str) -> PoolerConfig | None:
@@ -159,10 +168,11 @@ class EngineArgs(BaseModel):
             from rayvllm.demo import demo_model_path
 
             model = str(demo_model_path())
-        runner = self.resolve_runner()
+        hf_config = read_hf_config(model)
+        runner = self.resolve_runner(hf_config)
         model_config = ModelConfig.from_path(
             model, self.tokenizer, self.dtype, self.max_model_len, self.seed, device, self.served_model_name,
-            runner_type=runner, pooler_config=self.create_pooler_config(runner),
+            runner_type=runner, pooler_config=self.create_pooler_config(runner), hf_config=hf_config,
         )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:

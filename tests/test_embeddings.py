@@ -8,6 +8,7 @@ errors of asking a model for what its runner does not do."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -135,6 +136,28 @@ def test_text_prompts_and_lm_head_skipped(models: dict[str, Path]) -> None:
         assert e.value.param == "model" and "does not generate" in str(e.value)
     finally:
         llm.shutdown()
+
+
+def test_a_bare_decoder_checkpoint_pools(models: dict[str, Path], tmp_path: Path) -> None:
+    """A checkpoint without LM head (`Qwen2Model`, as embedding models ship,
+    weights without the "model." prefix) runs the pooling runner by default
+    and computes what its causal-LM twin's decoder computes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    causal = models["qwen2"]
+    AutoModelForCausalLM.from_pretrained(causal, dtype=torch.float32).model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(causal).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen2Model"]
+    prompts = _prompts()[:3]
+    llm = LLM(str(tmp_path), **ENGINE)
+    try:
+        assert llm.llm_engine.config.model_config.is_pooling
+        _check(causal, llm.embed(prompts, use_tqdm=False), prompts, "LAST", normalize=True)
+    finally:
+        llm.shutdown()
+    with pytest.raises(InvalidParameterError) as e:
+        EngineArgs(model=str(tmp_path), runner="generate").create_engine_config()
+    assert e.value.param == "runner"
 
 
 def test_a_generating_model_refuses_embed(tiny_model_dir: Path) -> None:
