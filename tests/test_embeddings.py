@@ -8,6 +8,7 @@ errors of asking a model for what its runner does not do."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayvllm import LLM, EmbeddingRequestOutput, PoolingParams, SamplingParams
+from rayvllm import LLM, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, SamplingParams
+from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.engine_args import EngineArgs
 from rayvllm.errors import InvalidParameterError, PromptTooLongError
 from rayvllm.models.random_model import RandomModelSpec, build_random_model
@@ -136,6 +138,28 @@ def test_text_prompts_and_lm_head_skipped(models: dict[str, Path]) -> None:
         assert e.value.param == "model" and "does not generate" in str(e.value)
     finally:
         llm.shutdown()
+
+
+def test_async_engine_encodes_concurrently(models: dict[str, Path]) -> None:
+    """`AsyncLLM.encode`, several at once: each stream yields its one finished vector."""
+    model_dir = models["qwen3"]
+    prompts = _prompts()[:4]
+
+    async def main() -> list[list[PoolingRequestOutput]]:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), runner="pooling", **ENGINE))
+        try:
+
+            async def one(i: int) -> list[PoolingRequestOutput]:
+                return [out async for out in engine.encode({"prompt_token_ids": prompts[i]}, PoolingParams(), f"r{i}")]
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+        finally:
+            engine.shutdown()
+
+    for prompt, outs in zip(prompts, asyncio.run(main())):
+        [out] = outs
+        assert out.finished and out.prompt_token_ids == prompt
+        assert (out.outputs.data - hf_embedding(model_dir, prompt, "LAST", True)).abs().max().item() < TOL
 
 
 def test_a_bare_decoder_checkpoint_pools(models: dict[str, Path], tmp_path: Path) -> None:
