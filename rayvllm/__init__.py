@@ -1,8 +1,12 @@
 """rayvllm: a vLLM-class LLM inference and serving engine, native to Ray."""
 
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams", "StructuredOutputsParams", "LLM", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = [
+    "SamplingParams", "StructuredOutputsParams", "PoolingParams", "LLM", "RequestOutput", "CompletionOutput",
+    "EmbeddingRequestOutput", "PoolingRequestOutput", "EngineArgs",
+]
 
 
 def __getattr__(name: str):
@@ -12,7 +16,7 @@ def __getattr__(name: str):
         from rayvllm.entrypoints.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "PoolingRequestOutput"):
         from rayvllm import outputs
 
         return getattr(outputs, name)

@@ -27,6 +27,10 @@ _DTYPES = {
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 ATTENTION_BACKEND_ENV = "RAYVLLM_ATTENTION_BACKEND"
 
+# What a model runner does with the final hidden states (vLLM's runner types).
+RUNNER_TYPES = ("generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN")
+
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> torch.dtype:
     """vLLM's rule: "auto" takes the checkpoint's dtype, except float32 stays
@@ -42,6 +46,42 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> tor
     return _DTYPES[dtype]
 
 
+def read_hf_config(model: str) -> dict:
+    """The parsed config.json of a model directory."""
+    config_path = Path(model) / "config.json"
+    if not config_path.exists():
+        raise InvalidParameterError("model", f"no config.json in {model!r}")
+    return json.loads(config_path.read_text())
+
+
+def is_pooling_only(hf_config: dict) -> bool:
+    """A bare decoder checkpoint (`LlamaModel`, `Qwen2Model`, ...: no LM
+    head, as embedding models ship) can only pool, as in vLLM."""
+    archs = hf_config.get("architectures") or []
+    return bool(archs) and all(str(a).endswith("Model") for a in archs)
+
+
+@dataclass
+class PoolerConfig:
+    """How the pooling runner turns a prompt's final hidden states (after
+    the last norm) into one vector, with vLLM's names: the last token's
+    state or the mean over the prompt, L2-normalised when `normalize`
+    (the default for embeddings; a request's `PoolingParams.normalize`
+    overrides it)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+            raise InvalidParameterError(
+                "pooler_config.pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
+            )
+        self.pooling_type = self.pooling_type.upper()
+        if not isinstance(self.normalize, bool):
+            raise InvalidParameterError("pooler_config.normalize", f"must be true or false, got {self.normalize!r}")
+
+
 @dataclass
 class ModelConfig:
     """Invariants: `max_model_len <= max_position_embeddings` unless rope
@@ -54,6 +94,10 @@ class ModelConfig:
     seed: int
     hf_config: dict = field(repr=False)
     served_model_name: str = ""
+    # "pooling": the model embeds prompts and never samples; then
+    # `pooler_config` is set (and only then).
+    runner_type: str = "generate"
+    pooler_config: PoolerConfig | None = None
 
     @classmethod
     def from_path(
@@ -65,11 +109,13 @@ class ModelConfig:
         seed: int,
         device: str,
         served_model_name: str | None = None,
+        runner_type: str = "generate",
+        pooler_config: PoolerConfig | None = None,
+        hf_config: dict | None = None,
     ) -> "ModelConfig":
-        config_path = Path(model) / "config.json"
-        if not config_path.exists():
-            raise InvalidParameterError("model", f"no config.json in {model!r}")
-        hf_config = json.loads(config_path.read_text())
+        """`hf_config`: the model's config.json when the caller read it already."""
+        if hf_config is None:
+            hf_config = read_hf_config(model)
         derived = int(hf_config.get("max_position_embeddings", 2048))
         if max_model_len is None:
             max_model_len = derived
@@ -81,11 +127,21 @@ class ModelConfig:
             seed=seed,
             hf_config=hf_config,
             served_model_name=served_model_name or model,
+            runner_type=runner_type,
+            pooler_config=pooler_config,
         )
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.runner_type not in RUNNER_TYPES:
+            raise InvalidParameterError("runner", f"must be one of {', '.join(RUNNER_TYPES)}, got {self.runner_type!r}")
+        if (self.pooler_config is not None) != self.is_pooling:
+            raise InvalidParameterError("pooler_config", "is set exactly when runner is 'pooling'")
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner_type == "pooling"
 
     @property
     def vocab_size(self) -> int:

@@ -5,6 +5,7 @@ Names and meanings follow vLLM's so that a vLLM user finds the same knobs.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,10 @@ from rayvllm.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
+    is_pooling_only,
+    read_hf_config,
 )
 from rayvllm.errors import InvalidParameterError
 
@@ -61,6 +65,15 @@ class EngineArgs(BaseModel):
     # variable RAYVLLM_ATTENTION_BACKEND, when set, decides.
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # vLLM's knobs for embedding models: runner "pooling" (or the older
+    # task "embed") pools the prompt's hidden states instead of sampling;
+    # the pooler config (a dict, or its JSON text from a command line)
+    # names pooling_type (LAST, MEAN) and normalize. override_pooler_config
+    # is vLLM's older name of the same.
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: str | dict[str, Any] | None = None
+    override_pooler_config: str | dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
@@ -99,6 +112,41 @@ class EngineArgs(BaseModel):
             return self.attention_backend
         return os.environ.get(ATTENTION_BACKEND_ENV, "auto")
 
+    def resolve_runner(self, hf_config: dict | None = None) -> str:
+        """"generate" or "pooling", from `runner`, the older `task` and (for
+        "auto") the checkpoint: a bare decoder without LM head pools."""
+        task = self.task
+        if task not in _TASKS:
+            raise InvalidParameterError("task", f"must be one of {', '.join(str(t) for t in _TASKS)}, got {task!r}")
+        wants_embed = task in ("embed", "embedding")
+        pooling_only = hf_config is not None and is_pooling_only(hf_config)
+        if self.runner == "auto":
+            if task == "generate" and pooling_only:
+                raise InvalidParameterError("task", "this checkpoint has no LM head; it can only pool (task='embed')")
+            return "pooling" if wants_embed or pooling_only else "generate"
+        if self.runner not in ("generate", "pooling"):
+            raise InvalidParameterError("runner", f"must be auto, generate or pooling, got {self.runner!r}")
+        if (self.runner == "pooling" and task == "generate") or (self.runner == "generate" and wants_embed):
+            raise InvalidParameterError("task", f"{task!r} contradicts runner={self.runner!r}")
+        if self.runner == "generate" and pooling_only:
+            archs = (hf_config or {}).get("architectures")
+            raise InvalidParameterError("runner", f"architectures {archs} have no LM head; they can only pool")
+        return self.runner
+
+    def create_pooler_config(self, runner: str) -> PoolerConfig | None:
+        """The pooling runner's config: `pooler_config`, with
+        `override_pooler_config`'s keys on top; None for a generating runner."""
+        given = {**_pooler_dict("pooler_config", self.pooler_config),
+                 **_pooler_dict("override_pooler_config", self.override_pooler_config)}
+        if runner != "pooling":
+            if given:
+                raise InvalidParameterError("pooler_config", "applies to runner='pooling' (or task='embed') only")
+            return None
+        unknown = sorted(set(given) - set(PoolerConfig.__dataclass_fields__))
+        if unknown:
+            raise InvalidParameterError("pooler_config", f"unknown keys {unknown}; expected pooling_type, normalize")
+        return PoolerConfig(**given)
+
     def create_parallel_config(self) -> ParallelConfig:
         """The worker layout alone (no model files read): what Serve needs to
         reserve a replica's placement group."""
@@ -120,8 +168,11 @@ class EngineArgs(BaseModel):
             from rayvllm.demo import demo_model_path
 
             model = str(demo_model_path())
+        hf_config = read_hf_config(model)
+        runner = self.resolve_runner(hf_config)
         model_config = ModelConfig.from_path(
-            model, self.tokenizer, self.dtype, self.max_model_len, self.seed, device, self.served_model_name
+            model, self.tokenizer, self.dtype, self.max_model_len, self.seed, device, self.served_model_name,
+            runner_type=runner, pooler_config=self.create_pooler_config(runner), hf_config=hf_config,
         )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -150,3 +201,20 @@ class EngineArgs(BaseModel):
             attention_backend=self.resolve_attention_backend(),
             enforce_eager=self.enforce_eager,
         )
+
+
+_TASKS = (None, "auto", "generate", "embed", "embedding")
+
+
+def _pooler_dict(name: str, value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """A pooler config given as a dict or as JSON text (a command line's form)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidParameterError(name, f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidParameterError(name, "must be an object such as {\"pooling_type\": \"MEAN\"}")
+    return value

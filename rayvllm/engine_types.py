@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rayvllm.request import EngineCoreRequest, FinishReason
@@ -49,12 +50,15 @@ class ModelRunnerOutput:
     request whose scheduled tokens reached the end of its sequence; requests in
     the middle of a chunked prefill are absent. `logprobs` rows align with
     `req_ids` when any of them asked for logprobs. `prompt_logprobs` holds, per
-    request that asked, the rows for the prompt positions computed this step."""
+    request that asked, the rows for the prompt positions computed this step.
+    A pooling runner samples nothing: `pooler_output` holds the vector
+    (float32 numpy, on the host) of each request whose prompt ended this step."""
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: LogprobsLists | None
     prompt_logprobs: dict[str, LogprobsLists]
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,7 +69,8 @@ class EngineCoreOutput:
     the stop token id that ended it (a stop *string* is found later, by the
     OutputProcessor, which then asks the core to abort the request).
     `new_prompt_logprobs` carries prompt positions computed this step; the
-    first prompt token has none, as in vLLM.
+    first prompt token has none, as in vLLM. A pooling request's one
+    output carries its vector in `pooling_output` and no token.
     """
 
     request_id: str
@@ -77,6 +82,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Set on a request's first token only: when the scheduler first ran it.
     first_scheduled_time: float | None = None
+    pooling_output: np.ndarray | None = None
 
     def __reduce__(self) -> tuple[type["EngineCoreOutput"], tuple[object, ...]]:
         # A step's outputs cross a process boundary on the Ray path; default
@@ -91,9 +97,13 @@ class EngineCoreOutput:
             self.stop_reason,
             self.num_cached_tokens,
             self.first_scheduled_time,
+            self.pooling_output,
         )
         end = len(args)
-        while end > 2 and args[end - 1] == _DEFAULTS[end - 1]:
+        # None defaults by identity: an array compared with == is no bool.
+        while end > 2 and (
+            args[end - 1] is None if _DEFAULTS[end - 1] is None else args[end - 1] == _DEFAULTS[end - 1]
+        ):
             end -= 1
         return (EngineCoreOutput, args[:end])
 
@@ -102,7 +112,7 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-_DEFAULTS: tuple[object, ...] = (None, None, None, None, None, None, 0, None)
+_DEFAULTS: tuple[object, ...] = (None, None, None, None, None, None, 0, None, None)
 
 
 @dataclass

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     # Types only: the engine imports this module, and the scheduler module
     # imports engine code, so a runtime import could close a cycle.
     from rayvllm.engine_types import SchedulerStats
-    from rayvllm.outputs import RequestOutput
+    from rayvllm.outputs import PoolingRequestOutput, RequestOutput
 
 __all__ = [
     "FINISH_REASONS",
@@ -244,6 +244,13 @@ class EngineMetrics:
         ):
             intervals = m.num_generation_tokens - 1
             self._tpot.observe((m.last_token_time - m.first_token_time) / intervals)
+
+    def record_pooled(self, output: PoolingRequestOutput) -> None:
+        """Record one finished pooling request: a success labelled "stop"
+        (its vector is its whole answer) and its prompt length; it has no
+        generated tokens to time."""
+        self._success["stop"].inc()
+        self._prompt_len.observe(len(output.prompt_token_ids))
 
     # ------------------------------------------------------------- per step
 

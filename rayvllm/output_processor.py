@@ -19,12 +19,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from rayvllm.detokenizer import RequestDetokenizer
 from rayvllm.engine_types import EngineCoreOutput, LogprobsLists
 from rayvllm.errors import InvalidParameterError
 from rayvllm.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -51,7 +55,7 @@ class OutputProcessorResult:
     must abort them. Their state here is already gone.
     """
 
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
 
 
@@ -423,6 +427,9 @@ class OutputProcessor:
             state = self._sequences.get(out.request_id)
             if state is None:
                 continue  # finished or aborted here while still in flight in the core
+            if out.pooling_output is not None:
+                result.request_outputs.append(self._finish_pooling(state, out, now))
+                continue
             new_ids = out.new_token_ids
             metrics = state.metrics
             if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
@@ -464,7 +471,7 @@ class OutputProcessor:
             completion = state.make_output(state.group.output_kind)
             if completion is not None:  # None: FINAL_ONLY and still running
                 touched.setdefault(state.group.request_id, {})[state.index] = completion
-        result.request_outputs = self._make_request_outputs(touched)
+        result.request_outputs += self._make_request_outputs(touched)
         return result
 
     def abort_requests(self, request_ids: Iterable[str], now: float | None = None) -> list[RequestOutput]:
@@ -497,6 +504,20 @@ class OutputProcessor:
         group.unfinished.discard(state.request_id)
         if group.finished:
             group.finished_time = now
+
+    def _finish_pooling(self, state: _SequenceState, out: EngineCoreOutput, now: float) -> PoolingRequestOutput:
+        """A pooling request's one output: its vector, and it is done."""
+        assert out.pooling_output is not None
+        state.metrics.first_scheduled_time = out.first_scheduled_time
+        self._finish(state, FinishReason.STOP, None, now)
+        group = state.group
+        del self._groups[group.request_id]
+        return PoolingRequestOutput(
+            request_id=group.request_id,
+            outputs=PoolingOutput(torch.from_numpy(out.pooling_output)),
+            prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=out.num_cached_tokens,
+        )
 
     def _make_request_outputs(self, touched: dict[str, dict[int, CompletionOutput]]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

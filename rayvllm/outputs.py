@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
     "PromptLogprobs",
     "RequestMetrics",
     "RequestOutput",
@@ -128,3 +136,53 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt (float32, on the host)."""
+
+    data: "torch.Tensor"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The one output of a pooling request: finished when it arrives (a
+    pooling request has no partial outputs). `prompt_token_ids` is the
+    prompt that was pooled; `num_cached_tokens` counts prefix-cache hits."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's embedding view of a pooled vector."""
+
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> "EmbeddingOutput":
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt: `outputs.embedding` is the vector."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput.from_base(output.outputs), output.prompt_token_ids,
+                   output.finished)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, Required, TypeAlias, TypedDi
 
 from rayvllm.config import ModelConfig
 from rayvllm.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SEED_MIN, SamplingParams
 from rayvllm.tokenizer import get_eos_token_ids
@@ -274,26 +275,37 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> EngineCoreRequest:
         """Validate and tokenize one request (n > 1 stays one request; see `fan_out`).
 
+        `params`: SamplingParams on a generating model, PoolingParams on a
+        pooling one (the other is a 400 naming `model`). A pooled prompt
+        may fill max_model_len, as nothing is generated after it.
         `add_special_tokens` applies to text prompts only (False for text
         that a chat template already rendered, BOS included).
         Raises InvalidParameterError / PromptTooLongError.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidParameterError("request_id", "must be a non-empty string")
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, (SamplingParams, PoolingParams)):
             raise InvalidParameterError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        self.check_runner(params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameterError("priority", f"must be an integer, got {priority!r}")
         prompt_ids, cache_salt = self._prompt_ids(prompt, add_special_tokens)
-        self._validate_prompt_ids(prompt_ids)
-        resolved = self._resolve_params(params, len(prompt_ids))
+        pooling: PoolingParams | None = None
+        if isinstance(params, PoolingParams):
+            self._validate_prompt_ids(prompt_ids, room_for_output=False)
+            pooling = self._resolve_pooling_params(params)
+            # Never sampled with: see EngineCoreRequest.
+            resolved = SamplingParams(max_tokens=1)
+        else:
+            self._validate_prompt_ids(prompt_ids)
+            resolved = self._resolve_params(params, len(prompt_ids))
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -302,13 +314,41 @@ class Processor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            pooling_params=pooling,
         )
+
+    def check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        """Generation on a generating model, pooling on a pooling one; else a
+        400 naming `model` (an API route asks before it reads its input)."""
+        if isinstance(params, PoolingParams) and not self.model_config.is_pooling:
+            raise InvalidParameterError(
+                "model",
+                "this model generates text and does not support embeddings; serve it with runner='pooling' "
+                "(or task='embed') for that",
+            )
+        if isinstance(params, SamplingParams) and self.model_config.is_pooling:
+            raise InvalidParameterError(
+                "model", "this model runs the pooling runner (embeddings) and does not generate text"
+            )
+
+    def _resolve_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """A private copy with the engine's pooling type and `normalize` concrete."""
+        config = self.model_config.pooler_config
+        assert config is not None
+        if params.dimensions is not None:
+            raise InvalidParameterError(
+                "dimensions", "this model does not support Matryoshka embeddings; leave dimensions unset"
+            )
+        if params.normalize is not None and not isinstance(params.normalize, bool):
+            raise InvalidParameterError("normalize", f"must be true or false, got {params.normalize!r}")
+        normalize = config.normalize if params.normalize is None else params.normalize
+        return replace(params, normalize=normalize, pooling_type=config.pooling_type)
 
     def process_with_fanout(
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
@@ -356,15 +396,15 @@ class Processor:
 
     # ---- validation ------------------------------------------------------------
 
-    def _validate_prompt_ids(self, ids: list[int]) -> None:
+    def _validate_prompt_ids(self, ids: list[int], room_for_output: bool = True) -> None:
         low, high = min(ids), max(ids)
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
             raise InvalidParameterError(
                 "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
-        # A prompt must leave room for at least one generated token.
-        if len(ids) >= self.max_model_len:
+        # A prompt to generate from must leave room for at least one token.
+        if len(ids) >= self.max_model_len + (0 if room_for_output else 1):
             raise PromptTooLongError(len(ids), self.max_model_len)
 
     def _check_ids(self, name: str, ids: Sequence[int]) -> None:

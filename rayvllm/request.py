@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
 
@@ -52,6 +53,11 @@ class EngineCoreRequest:
     restarted engine carries the tokens it had already produced, which the
     core takes as its output so far (recomputed as context, counted against
     max_tokens and penalties, a seeded generator advanced past them).
+
+    A pooling request (`pooling_params` set) finishes once its prompt is
+    computed, with the pooled vector and no token; its `sampling_params`
+    (max_tokens=1, no stop ids) only keep the scheduler's length
+    bookkeeping uniform: nothing samples with them.
     """
 
     request_id: str
@@ -64,6 +70,7 @@ class EngineCoreRequest:
     # Set on the children of an n > 1 request; they share the prompt's blocks.
     parent_request_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
 
 
 class Request:
@@ -78,6 +85,7 @@ class Request:
     """
 
     def __init__(self, core_req: EngineCoreRequest) -> None:
+        self._core_request = core_req
         self.request_id = core_req.request_id
         self.sampling_params = core_req.sampling_params
         self.eos_token_id = core_req.eos_token_id
@@ -85,6 +93,7 @@ class Request:
         self.priority = core_req.priority
         self.cache_salt = core_req.cache_salt
         self.parent_request_id = core_req.parent_request_id
+        self.pooling_params = core_req.pooling_params
         self.prompt_token_ids = list(core_req.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = list(core_req.output_token_ids)
@@ -106,16 +115,18 @@ class Request:
     def resumed(self) -> EngineCoreRequest:
         """This request as a new engine core would take it: the prompt and
         the tokens produced so far (recomputed as context)."""
-        return EngineCoreRequest(
-            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, sampling_params=self.sampling_params,
-            eos_token_id=self.eos_token_id, arrival_time=self.arrival_time, priority=self.priority,
-            cache_salt=self.cache_salt, parent_request_id=self.parent_request_id,
-            output_token_ids=list(self.output_token_ids),
-        )
+        return replace(self._core_request, output_token_ids=list(self.output_token_ids))
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a cached prefix may stand in for computing it: not when
+        every prompt position's output is wanted (prompt logprobs, mean pooling)."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is None and (pooling is None or pooling.pooling_type != "MEAN")
 
     @property
     def num_output_tokens(self) -> int:

@@ -42,3 +42,13 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
     if str(model_dir) not in _MODELS:
         _MODELS[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return _MODELS[str(model_dir)]
+
+
+def hf_embedding(model_dir: Path, prompt: list[int], pooling_type: str, normalize: bool) -> torch.Tensor:
+    """transformers' final hidden states (after the last norm) of `prompt`,
+    pooled: the last token's, or the mean over the prompt; L2-normalised
+    when `normalize`."""
+    with torch.no_grad():
+        hidden = hf_model(model_dir).model(torch.tensor([prompt])).last_hidden_state[0].float()
+    vector = hidden[-1] if pooling_type == "LAST" else hidden.mean(dim=0)
+    return torch.nn.functional.normalize(vector, p=2, dim=-1) if normalize else vector

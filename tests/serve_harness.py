@@ -10,11 +10,13 @@ straight on `DIRECT_PORT`, and `rayvllm serve` tests pass free
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
@@ -175,3 +177,15 @@ def serve_run(args: list[str], log_path: Path, direct: bool = False) -> ServePro
         return ServeProcess([serve, "run", *args], log_path, env=DIRECT_ENV, base_url=DIRECT_URL,
                             ports=(SERVE_RUN_PORT, DIRECT_PORT))
     return ServeProcess([serve, "run", *args], log_path)
+
+
+@contextlib.contextmanager
+def served(args: list[str], log_path: Path) -> Iterator[ServeProcess]:
+    """`serve run` with direct ingress (answering `DIRECT_URL`), ready on
+    entry and stopped on exit."""
+    proc = serve_run(args, log_path, direct=True)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

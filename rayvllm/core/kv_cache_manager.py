@@ -97,10 +97,10 @@ class KVCacheManager:
         ``(num_tokens - 1) // block_size`` blocks match, so the last token is
         always recomputed (its logits are needed to sample). Does not take
         references: pass the result straight to `allocate_slots`.
-        Requests with ``prompt_logprobs`` skip the lookup (and the stats),
-        since every prompt position must be computed to produce them.
+        Requests with ``prompt_logprobs`` or mean pooling skip the lookup
+        (and the stats), since every prompt position must be computed for them.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or not request.reads_prefix_cache:
             return [], 0
         hashes = self._update_block_hashes(request)
         max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size

@@ -28,7 +28,8 @@ from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
 from rayvllm.metrics import EngineMetrics
 from rayvllm.output_processor import OutputProcessor
-from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.processor import Processor, PromptType
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
@@ -42,6 +43,9 @@ STEP_TIMEOUT_S = 60.0
 # Scheduler stats cost a round trip on the Ray path; gauges need no more.
 STATS_INTERVAL_S = 1.0
 
+# What a request's stream yields: generation outputs, or a pooling request's one output.
+EngineOutput = RequestOutput | PoolingRequestOutput
+
 
 class RequestStream:
     """The outputs of one admitted request, in order, until it finishes.
@@ -51,7 +55,7 @@ class RequestStream:
     engine failure is raised from `__anext__` to every open stream."""
 
     def __init__(
-        self, engine: "AsyncLLM", request_id: str, queue: "asyncio.Queue[RequestOutput | BaseException]"
+        self, engine: "AsyncLLM", request_id: str, queue: "asyncio.Queue[EngineOutput | BaseException]"
     ) -> None:
         self.request_id = request_id
         self._engine = engine
@@ -62,7 +66,7 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if self._finished or self._closed:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -111,7 +115,7 @@ class AsyncLLM:
         self.step_timeout_s = STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
         self.engine_core: EngineCoreClient = make_client(config, reserved_pg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
         self._started: set[str] = set()  # user requests whose prompt tokens were counted
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -142,7 +146,7 @@ class AsyncLLM:
     def add_request(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         *,
         add_special_tokens: bool = True,
@@ -174,7 +178,7 @@ class AsyncLLM:
                 f"(max_pending_prompt_tokens={limit}); retry later"
             )
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._unprefilled[request_id] = prompt_tokens
         self._unprefilled_tokens += prompt_tokens
@@ -213,7 +217,21 @@ class AsyncLLM:
         )
         try:
             async for out in stream:
+                assert isinstance(out, RequestOutput)
                 yield out
+        finally:
+            await stream.aclose()
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, *, add_special_tokens: bool = True
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Yield a pooling request's one output (vLLM's name for pooling
+        through the async engine); leaving early aborts it."""
+        stream = self.add_request(prompt, pooling_params, request_id, add_special_tokens=add_special_tokens)
+        try:
+            async for out in stream:
+                if isinstance(out, PoolingRequestOutput):
+                    yield out
         finally:
             await stream.aclose()
 
@@ -350,7 +368,8 @@ class AsyncLLM:
             self._abort_in_core(result.reqs_to_abort)
         prompt_tokens = generation_tokens = 0
         for out in result.request_outputs:
-            generation_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if isinstance(out, RequestOutput):
+                generation_tokens += sum(len(c.token_ids) for c in out.outputs)
             if out.request_id not in self._started:
                 self._started.add(out.request_id)
                 prompt_tokens += len(out.prompt_token_ids)
@@ -363,11 +382,14 @@ class AsyncLLM:
         came, or it ended before one)."""
         self._unprefilled_tokens -= self._unprefilled.pop(request_id, 0)
 
-    def _deliver(self, out: RequestOutput, notify: bool) -> None:
+    def _deliver(self, out: EngineOutput, notify: bool) -> None:
         if out.finished:
             self._started.discard(out.request_id)
             self._prefilled(out.request_id)
-            self.metrics.record_finished(out)
+            if isinstance(out, RequestOutput):
+                self.metrics.record_finished(out)
+            else:
+                self.metrics.record_pooled(out)
         queue = self._queues.get(out.request_id)
         if notify and queue is not None:
             queue.put_nowait(out)

@@ -12,8 +12,9 @@ from rayvllm.config import EngineConfig
 from rayvllm.engine.core_client import CoreRestarts, make_engine_core
 from rayvllm.engine_args import EngineArgs
 from rayvllm.output_processor import OutputProcessor
-from rayvllm.outputs import RequestOutput, RequestOutputKind
 from rayvllm.errors import EngineDeadError, StepFailedError
+from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.processor import Processor
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
@@ -46,7 +47,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
@@ -64,7 +65,7 @@ class LLMEngine:
         self.engine_core.abort_requests(ids)
         return self.output_processor.abort_requests(ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step's outputs. A request whose step raised on a live
         worker raises here (offline, the caller sees it); a dead engine on
         Ray is replaced and this step returns nothing new."""

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
 from rayvllm.engine.llm_engine import LLMEngine
 from rayvllm.engine_args import EngineArgs
 from rayvllm.errors import InvalidParameterError
-from rayvllm.outputs import RequestOutput
+from rayvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
+_Params = TypeVar("_Params", SamplingParams, PoolingParams)
 
 
 class LLM:
@@ -71,15 +73,45 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in input order."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        params_list = self._params_list(sampling_params, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
+        prompt_list = _prompt_list(prompts)
+        params_list = _per_prompt(sampling_params, SamplingParams, len(prompt_list), "sampling_params")
+        if priority is not None and len(priority) != len(prompt_list):
             raise InvalidParameterError("priority", "must have one entry per prompt")
-        ids = []
+        ids = self._add_requests(prompt_list, params_list, priority)
+        return cast(list[RequestOutput], self._run_engine(ids, use_tqdm))
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One `EmbeddingRequestOutput` per prompt, in input order; the
+        engine must run the pooling runner (`runner="pooling"` or
+        `task="embed"`)."""
+        return [EmbeddingRequestOutput.from_base(out) for out in self.encode(prompts, pooling_params, use_tqdm)]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One `PoolingRequestOutput` per prompt (`outputs.data`: the vector
+        as a float32 tensor), in input order; a pooling runner's engine."""
+        prompt_list = _prompt_list(prompts)
+        params_list = _per_prompt(pooling_params, PoolingParams, len(prompt_list), "pooling_params")
+        ids = self._add_requests(prompt_list, params_list, None)
+        return cast(list[PoolingRequestOutput], self._run_engine(ids, use_tqdm))
+
+    def _add_requests(
+        self,
+        prompts: list[PromptType],
+        params_list: Sequence[SamplingParams | PoolingParams],
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        """Add every prompt, or none: a bad one aborts those added before it."""
+        ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 if isinstance(prompt, list):
@@ -92,7 +124,7 @@ class LLM:
         except Exception:
             self.llm_engine.abort_request(ids)
             raise
-        return self._run_engine(ids, use_tqdm)
+        return ids
 
     def chat(
         self,
@@ -119,23 +151,8 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    @staticmethod
-    def _params_list(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
-    ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
-        if len(params) != n:
-            raise InvalidParameterError(
-                "sampling_params", f"got {len(params)} SamplingParams for {n} prompts"
-            )
-        return params
-
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         engine = self.llm_engine
         while engine.has_unfinished_requests():
@@ -145,3 +162,22 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [finished[i] for i in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, a prompt dict or token ids) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [cast(PromptType, prompts)]
+    return list(cast(Sequence[PromptType], prompts))
+
+
+def _per_prompt(params: _Params | Sequence[_Params] | None, kind: type[_Params], n: int, name: str) -> list[_Params]:
+    """The params of each of `n` prompts: one for all (the default when None), or one each."""
+    if params is None:
+        return [kind()] * n
+    if isinstance(params, kind):
+        return [params] * n
+    given = list(cast(Sequence[_Params], params))
+    if len(given) != n:
+        raise InvalidParameterError(name, f"got {len(given)} {kind.__name__} for {n} prompts")
+    return given

@@ -178,7 +178,10 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, cfg: dict, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
+    def __init__(
+        self, cfg: dict, dtype: torch.dtype, parallel: ParallelContext | None = None, with_lm_head: bool = True
+    ) -> None:
+        """`with_lm_head=False`: a pooling model's, whose last stage stops at the final norm."""
         super().__init__()
         ctx = parallel or ParallelContext()
         check_parallel_sizes(cfg, ctx.tp_size, ctx.pp_size)
@@ -197,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: ParallelLMHead | None = None
         if ctx.is_last_stage:
             self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
+        if ctx.is_last_stage and with_lm_head:
             self.lm_head = ParallelLMHead(vocab, hidden, ctx)
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight

@@ -23,6 +23,17 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+def _model_class(arch: str) -> type[LlamaForCausalLM] | None:
+    """A registered architecture, or the bare decoder of one (`Qwen2Model`:
+    the same layers without LM head, whose weights lack the "model."
+    prefix), which the pooling runner loads as its model without LM head."""
+    if arch in MODEL_REGISTRY:
+        return MODEL_REGISTRY[arch]
+    if arch.endswith("Model"):
+        return MODEL_REGISTRY.get(arch.removesuffix("Model") + "ForCausalLM")
+    return None
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -58,21 +69,26 @@ def load_model(
     device: str = "cpu",
     parallel: ParallelContext | None = None,
     fused_kv_write: bool = True,
+    with_lm_head: bool = True,
 ) -> LlamaForCausalLM:
     """This rank's part of the model (all of it without `parallel`).
 
     Parameters are created in `dtype` on `device` directly: a float32
     model converted afterwards would need twice the weights' memory on a
     GPU for a moment. `fused_kv_write`: the attention backend lets the
-    float32 CPU model store K/V with its fused RoPE kernel."""
+    float32 CPU model store K/V with its fused RoPE kernel. `with_lm_head`:
+    False for a pooling runner, which never computes logits (a checkpoint's
+    LM head is then skipped, and may be absent)."""
     archs = hf_config.get("architectures") or []
-    cls = next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
+    cls = next((c for c in map(_model_class, archs) if c is not None), None)
     if cls is None:
         raise InvalidParameterError(
-            "model", f"architectures {archs} not supported; supported: {', '.join(MODEL_REGISTRY)}"
+            "model",
+            f"architectures {archs} not supported; supported: {', '.join(MODEL_REGISTRY)} "
+            "(and, to pool, their bare decoders: LlamaModel, ...)",
         )
     with torch.device(device), _default_dtype(dtype):
-        model = cls(hf_config, dtype, parallel).to(dtype)
+        model = cls(hf_config, dtype, parallel, with_lm_head=with_lm_head).to(dtype)
     model.load_weights(iterate_weights(Path(model_dir), dtype))
     if device == "cpu" and dtype == torch.float32:
         model.optimize_for_cpu(use_c_kernels=cpu_ops.available(), fused_kv_write=fused_kv_write)

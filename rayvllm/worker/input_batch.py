@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
 
@@ -31,6 +32,9 @@ class CachedRequestState:
     eos_token_id: int | None = None
     # Prompt logprobs computed so far (rows for positions 1..), streamed per step.
     wants_prompt_logprobs: bool = False
+    # A pooling request's params, and its mean pooling's running sum over chunks.
+    pooling_params: PoolingParams | None = None
+    pooled_sum: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +60,7 @@ class InputBatch:
         block_ids: list[int],
         num_computed_tokens: int,
         generator: torch.Generator | None,
+        pooling_params: PoolingParams | None = None,
     ) -> CachedRequestState:
         row = self._free_rows.pop()
         n_prompt = len(prompt_token_ids)
@@ -73,6 +78,7 @@ class InputBatch:
             num_blocks=len(block_ids),
             num_computed_tokens=num_computed_tokens,
             wants_prompt_logprobs=sampling_params.prompt_logprobs is not None,
+            pooling_params=pooling_params,
         )
         self.requests[req_id] = state
         return state

@@ -38,6 +38,7 @@ from rayvllm.sampling_params import SamplingParams
 from rayvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from rayvllm.worker.gpu_memory import kv_cache_budget, profile_memory
 from rayvllm.worker.input_batch import CachedRequestState, InputBatch
+from rayvllm.worker.pooler import Pooler
 from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.worker.sampler import Sampler
 from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata
@@ -78,6 +79,9 @@ class ModelRunner:
         self.sampler = Sampler()
         # Grammar matchers live where tokens are sampled.
         self.structured = StructuredOutputManager(self.model_config) if self.parallel.is_driver else None
+        # A pooling runner returns vectors and never computes logits.
+        pooler_config = self.model_config.pooler_config
+        self.pooler = Pooler(pooler_config) if pooler_config is not None else None
         self.attn_backend = select_attention_backend(
             self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend
         )
@@ -107,6 +111,7 @@ class ModelRunner:
             str(self.device),
             self.parallel,
             fused_kv_write=self.attn_backend.fused_cpu_kv_write,
+            with_lm_head=self.pooler is None,
         )
 
     def kv_bytes_per_block(self) -> int:
@@ -229,7 +234,7 @@ class ModelRunner:
             )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64)
         hidden = self._forward(input_ids, torch.from_numpy(positions), metadata)
-        if hidden is None:
+        if hidden is None or self.pooler is not None:
             return
         last_rows = self._to_device(torch.from_numpy(cu_q[1:] - 1))
         logits = self.model.compute_logits(hidden.index_select(0, last_rows))
@@ -278,6 +283,7 @@ class ModelRunner:
                 new.block_ids,
                 new.num_computed_tokens,
                 generator,
+                new.pooling_params,
             )
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
@@ -402,6 +408,11 @@ class ModelRunner:
             hidden = self._forward(input_ids, positions, metadata)
         if hidden is None:
             return ModelRunnerOutput([], [], None, {})
+        if self.pooler is not None:
+            if not self.parallel.is_driver:
+                return ModelRunnerOutput([], [], None, {})
+            pooled = self.pooler.pool(plan.states, plan.starts, plan.q_lens, plan.cu_q, hidden)
+            return ModelRunnerOutput([], [], None, {}, pooled)
 
         prompt_logprobs: dict[str, LogprobsLists] = {}
         for i, state in enumerate(plan.states):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

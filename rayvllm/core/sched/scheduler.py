@@ -18,7 +18,7 @@ from rayvllm.core.kv_cache_manager import KVCacheManager
 from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from rayvllm.core.sched.request_queue import create_request_queue
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
-from rayvllm.request import Request, RequestStatus
+from rayvllm.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
@@ -206,6 +206,7 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=kv.get_block_ids(request.request_id),
                         num_computed_tokens=num_hit,
+                        pooling_params=request.pooling_params,
                     )
                 )
                 request.num_output_tokens_sent = request.num_output_tokens
@@ -229,8 +230,9 @@ class Scheduler:
 
     def _add_placeholder_if_sampling(self, request: Request) -> None:
         """Under async scheduling, count the token a step just scheduled
-        will sample: its last position reaches every token the worker knows."""
-        if self.async_scheduling and (
+        will sample: its last position reaches every token the worker knows.
+        A pooling request samples nothing: it ends with its prompt."""
+        if self.async_scheduling and request.pooling_params is None and (
             request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
         ):
             request.num_output_placeholders += 1
@@ -321,6 +323,22 @@ class Scheduler:
                 self._free_request(request, status)
             outputs.append(out)
             emitted.add(req_id)
+        for req_id, pooled in runner_output.pooler_output.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self._free_request(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.STOP,
+                    num_cached_tokens=request.num_cached_tokens,
+                    first_scheduled_time=request.first_scheduled_time,
+                    pooling_output=pooled,
+                )
+            )
         # Prompt logprobs of chunks that sampled nothing still stream out.
         for req_id, lp in prompt_logprobs.items():
             if req_id not in emitted and req_id in self.requests:

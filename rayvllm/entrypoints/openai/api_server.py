@@ -29,10 +29,15 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_request,
     parse_tokenize_request,
 )
+from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from rayvllm.entrypoints.openai.serving import OpenAIServing
+from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from rayvllm.entrypoints.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
 from rayvllm.errors import AuthenticationError, EngineOverloadedError, InvalidParameterError, RequestTooLargeError
 from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
 app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
@@ -146,11 +151,13 @@ class LLMServer:
             reserved_pg=ray.util.get_current_placement_group(),
             step_timeout_s=step_timeout_s,
         )
+        serving_args = ([self.engine.served_model_name], self.engine.max_model_len)
         self.serving = OpenAIServing(
-            self.engine, [self.engine.served_model_name], self.engine.max_model_len,
-            trust_request_chat_template=trust_request_chat_template,
+            self.engine, *serving_args, trust_request_chat_template=trust_request_chat_template,
             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
         )
+        self.embedding = OpenAIServingEmbedding(self.engine, *serving_args)
+        self.responses = OpenAIServingResponses(self.engine, *serving_args)
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
 
@@ -180,6 +187,26 @@ class LLMServer:
             self._authorize(request)
             body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
             return _respond(await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}"))
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            body = await _parse(request, ResponsesRequest, self.max_request_bytes)
+            return _respond(await self.responses.create_response(body, f"resp_{uuid.uuid4().hex}"))
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            # A model that does not pool says so before its body is read.
+            self.engine.processor.check_runner(PoolingParams())
+            body = await _parse(request, EmbeddingRequest, self.max_request_bytes)
+            return _respond(await self.embedding.create_embedding(body, f"embd-{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001
             return _error(e)
 

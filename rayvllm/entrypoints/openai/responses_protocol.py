@@ -1,0 +1,223 @@
+"""POST /v1/responses: request, response and stream-event models, in the
+shapes of the official `openai` package (`openai.types.responses`).
+
+The server is stateless: nothing is stored, so `previous_response_id` (and
+`background`) are refused with a 400 naming them, and `store` is ignored.
+Input is text: a string, or message items whose content is a string or
+`input_text` / `output_text` parts. `tools` are refused with a 400 naming
+them until tool calling reaches this route.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from rayvllm.entrypoints.openai.protocol import OpenAIBaseModel, with_param
+from rayvllm.errors import InvalidParameterError
+from rayvllm.sampling_params import SamplingParams
+
+__all__ = [
+    "IncompleteDetails",
+    "InputTokensDetails",
+    "OutputTokensDetails",
+    "ResponseInputItem",
+    "ResponseInputPart",
+    "ResponseOutputMessage",
+    "ResponseOutputText",
+    "ResponseUsage",
+    "ResponsesRequest",
+    "ResponsesResponse",
+]
+
+# Content part types whose text a text-only model can read.
+_TEXT_PARTS = ("input_text", "output_text")
+
+
+class ResponseInputPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ResponseInputItem(OpenAIBaseModel):
+    """An input item; only messages (OpenAI's `EasyInputMessage` and input
+    message items) are supported, the type is checked in `to_messages`."""
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ResponseInputPart] | None = None
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    _PARAM_NAMES: ClassVar[dict[str, str]] = {
+        "max_tokens": "max_output_tokens",
+        "prompt": "input",
+        "prompt_token_ids": "input",
+        "messages": "input",
+    }
+    # The rendered chat template already holds the special tokens.
+    add_special_tokens: ClassVar[bool] = False
+
+    model: str | None = None
+    input: str | list[ResponseInputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _stateless(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("is not supported: this server is stateless and stores no responses; send the "
+                             "whole conversation as input")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _no_background(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("is not supported: this server is stateless and stores no responses")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("is not supported on /v1/responses yet")
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        fmt = (value or {}).get("format")
+        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+            raise ValueError(f"format type {fmt.get('type')!r} is not supported; only 'text'")
+        return value
+
+    def translate_error(self, exc: InvalidParameterError) -> InvalidParameterError:
+        return with_param(exc, self._PARAM_NAMES.get(exc.param, exc.param))
+
+    def to_sampling_params(self) -> SamplingParams:
+        kwargs: dict[str, Any] = {"max_tokens": self.max_output_tokens}
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        try:
+            return SamplingParams(**kwargs)
+        except InvalidParameterError as e:
+            raise self.translate_error(e) from e
+
+    def to_messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages: `instructions` as a system
+        message first, a string `input` as one user message."""
+        messages: list[dict[str, str]] = []
+        if self.instructions is not None:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+            return messages
+        if not self.input:
+            raise InvalidParameterError("input", "must not be empty")
+        for i, item in enumerate(self.input):
+            if item.type != "message":
+                raise InvalidParameterError(f"input.{i}.type", f"item type {item.type!r} is not supported (messages only)")
+            if item.role is None:
+                raise InvalidParameterError(f"input.{i}.role", "a message needs a role")
+            messages.append({"role": item.role, "content": _content_text(item.content, i)})
+        return messages
+
+
+def _content_text(content: str | list[ResponseInputPart] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise InvalidParameterError(
+                f"input.{index}.content.{j}", f"content part of type {part.type!r} is not supported (text only)"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+# ---- the Response object ---------------------------------------------------------------
+
+
+class ResponseOutputText(OpenAIBaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(OpenAIBaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponseOutputText] = Field(default_factory=list)
+
+
+class InputTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIBaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(OpenAIBaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponsesResponse(OpenAIBaseModel):
+    """`status` "incomplete" (with `incomplete_details`) when
+    `max_output_tokens` or the context length cut the output, as OpenAI does."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    store: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    truncation: Literal["auto", "disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
