@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,22 @@ def serve_config_for_test(proxy_port: int) -> dict[str, Any]:
     return config
 
 
+def node_pip_config() -> str:
+    """The pip configuration this test runs under (its files and PIP_*
+    variables: this network's mirrors, certificates and wheel folders), as a
+    node on the same network would have it, plus the kept download cache."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                            check=True, timeout=60).stdout
+    sections: dict[str, dict[str, str]] = {"global": {}}
+    for line in listed.splitlines():
+        match = re.fullmatch(r"(:env:|[\w-]+)\.([\w-]+)='(.*)'", line.strip())
+        if match:
+            section = "global" if match.group(1) == ":env:" else match.group(1)
+            sections.setdefault(section, {})[match.group(2)] = match.group(3)
+    sections["global"]["cache-dir"] = str(DOWNLOAD_CACHE / "pip")
+    return "".join(f"[{name}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items()) for name, keys in sections.items())
+
+
 def run_logged(argv: list[str], log: Path, timeout: float, env: dict[str, str]) -> int:
     """Run `argv` from the repository root (the cluster file's `.` is the
     checkout), output appended to `log`; its exit status, or 124 on timeout."""
@@ -117,9 +134,11 @@ def run_logged(argv: list[str], log: Path, timeout: float, env: dict[str, str]) 
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
             return 124
+        finally:
+            if proc.poll() is None:  # timed out, or the test was interrupted
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def tail(path: Path, chars: int = 8000) -> str:
@@ -170,7 +189,7 @@ def machine() -> Iterator[tuple[NodeUser, SSHServer, Path]]:
         user = NodeUser(workdir / "home")
         DOWNLOAD_CACHE.mkdir(parents=True, exist_ok=True)
         user.own(DOWNLOAD_CACHE)
-        user.write(".config/pip/pip.conf", f"[global]\ncache-dir = {DOWNLOAD_CACHE / 'pip'}\n")
+        user.write(".config/pip/pip.conf", node_pip_config())
         ray_tmp = workdir / "r"
         ray_tmp.mkdir()
         user.own(ray_tmp)
@@ -182,14 +201,16 @@ def machine() -> Iterator[tuple[NodeUser, SSHServer, Path]]:
         server.check_login(user)
         yield user, server, workdir
     finally:
+        started = time.monotonic()
         if server is not None:
             server.stop()
         if user is not None:
             user.remove()
         shutil.rmtree(workdir, ignore_errors=True)
+        print(f"cleanup {time.monotonic() - started:.0f} s")
 
 
-def test_ray_up_serve_deploy_complete_ray_down(machine: tuple[NodeUser, SSHServer, Path]) -> None:
+def test_ray_up_serve_deploy_complete_ray_down(machine: tuple[NodeUser, SSHServer, Path], tmp_path: Path) -> None:
     user, server, workdir = machine
     names = ["gcs", "dashboard", "client", "agent", "proxy", "direct"]
     ports = dict(zip(names, distinct_free_ports(len(names)), strict=True))
@@ -207,7 +228,7 @@ def test_ray_up_serve_deploy_complete_ray_down(machine: tuple[NodeUser, SSHServe
         "TMPDIR": str(launcher_tmp),
         "RAY_TMPDIR": str(launcher_tmp),
     }
-    log = workdir / "ray.log"
+    log = tmp_path / "ray.log"  # kept by pytest after the run (the workdir is not)
     ray = str(bin_dir / "ray")
     down = [ray, "down", "-y", str(cluster_file)]
     try:

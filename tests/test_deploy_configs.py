@@ -66,7 +66,9 @@ TP2_NODES = ({"CPU": 3.0}, {"CPU": 1.0, "GPU": 2.0})
 def write_config_json(directory: Path, spec: RandomModelSpec) -> Path:
     """A model directory holding only config.json: all the engine config reads."""
     directory.mkdir(parents=True, exist_ok=True)
-    _hf_config(spec).to_json_file(str(directory / "config.json"))
+    config = _hf_config(spec)
+    config.architectures = ["LlamaForCausalLM"]  # as a checkpoint's config.json names it
+    config.to_json_file(str(directory / "config.json"))
     return directory
 
 
