@@ -11,8 +11,9 @@ The cluster config is the shipped file with data filled in, nothing else:
 the test's user, key and SSH port (Ray's `ssh_proxy_command`), and free
 ports in place of the fixed ones (GCS, dashboard, Ray client, dashboard
 agent, Serve's proxy and the direct-ingress port), so the cluster cannot
-meet another one on the machine. The setup commands run as written; pip's
-download cache (its own directory, kept between runs) makes a second run fast.
+meet another one on the machine. The setup commands run as written; uv's
+and pip's download caches (a directory of their own, kept between runs)
+spare a second run the downloads.
 """
 
 from __future__ import annotations
