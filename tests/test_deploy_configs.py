@@ -34,7 +34,6 @@ from rayvllm.entrypoints.server_args import ServerArgs
 from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, direct_ingress_env, split_args
 from rayvllm.executor.placement import deployment_bundles
 from rayvllm.models.loader import MODEL_REGISTRY
-from rayvllm.models.random_model import RandomModelSpec, _hf_config
 from rayvllm.worker.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,10 +50,10 @@ CI_NODE: Node = {"CPU": 2.0}
 EC2_NODES: dict[str, Node] = {"g5.2xlarge": {"CPU": 8.0, "GPU": 1.0}, "m6i.xlarge": {"CPU": 4.0}}
 # The model the RayService names, by its published config.json dimensions
 # (meta-llama/Llama-3.2-1B-Instruct).
-LLAMA_32_1B = RandomModelSpec(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-    tie_word_embeddings=True, rope_theta=500000.0, dtype="bfloat16",
+LLAMA_32_1B: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0, torch_dtype="bfloat16",
     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192},
 )
@@ -63,12 +62,13 @@ README_TP2_NEEDS = "three CPU cores, or two GPUs"
 TP2_NODES = ({"CPU": 3.0}, {"CPU": 1.0, "GPU": 2.0})
 
 
-def write_config_json(directory: Path, spec: RandomModelSpec) -> Path:
-    """A model directory holding only config.json: all the engine config reads."""
+def write_config_json(directory: Path, dims: dict[str, Any]) -> Path:
+    """A model directory holding only config.json (as transformers writes
+    it): all the engine config reads."""
+    from transformers import LlamaConfig
+
     directory.mkdir(parents=True, exist_ok=True)
-    config = _hf_config(spec)
-    config.architectures = ["LlamaForCausalLM"]  # as a checkpoint's config.json names it
-    config.to_json_file(str(directory / "config.json"))
+    LlamaConfig(**dims).to_json_file(str(directory / "config.json"))
     return directory
 
 
@@ -183,7 +183,7 @@ def test_rayservice_engine_starts_on_its_worker_group(tmp_path: Path) -> None:
         nodes += [node] * group["replicas"]
         memory = kube_quantity(limits["memory"])
     config = check_starts(args, nodes, memory)
-    assert config.model_config.max_model_len == 8192 < LLAMA_32_1B.max_position_embeddings
+    assert config.model_config.max_model_len == 8192 < LLAMA_32_1B["max_position_embeddings"]
 
 
 def test_rayservice_without_max_model_len_would_not_start(tmp_path: Path) -> None:
