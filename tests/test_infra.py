@@ -295,8 +295,12 @@ def test_cluster_launcher_config_installs_what_its_commands_run(path: Path) -> N
     (pin,) = _pinned_ray(" ".join(project["project"]["dependencies"]))
     setup = " ".join(config.get("setup_commands", []) + config.get("head_setup_commands", []))
     assert _pinned_ray(setup) == {pin}
-    assert "build-essential" in setup and "uv venv" in setup and "--python 3.11" in setup
-    venv = re.search(r"uv venv \S+ --python 3.11 (\S+)", setup).group(1)
+    assert "build-essential" in setup and "python3-venv" in setup
+    # uv from PyPI (pinned): its installer script's host may be out of reach.
+    assert re.search(r"pip install uv==[0-9.]+", setup) and "astral.sh" not in path.read_text()
+    venv = re.search(r"uv venv (?:--\S+ )*--python 3.11 (\S+)", setup).group(1)
+    # The venv on the login shell's PATH: `ray down` runs a plain `ray stop` on the head.
+    assert any(f"{venv.replace('~', '$HOME')}/bin:$PATH" in c and ".bashrc" in c for c in config["setup_commands"])
     starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     for command in starts:
         for word in re.findall(r"\S*\b(?:ray|serve) (?:start|stop|deploy)", command):
