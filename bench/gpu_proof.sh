@@ -100,9 +100,9 @@ run_limited() {
     local t0 t1
     t0=$(date +%s.%N)
     if [ "$outfile" = "$DEST/logs/$name.log" ]; then
-        timeout -k 5 "$limit" "$@" > "$outfile" 2>&1
+        timeout -k 5 "$limit" "$@" < /dev/null > "$outfile" 2>&1
     else
-        timeout -k 5 "$limit" "$@" > "$outfile" 2> "$DEST/logs/$name.log"
+        timeout -k 5 "$limit" "$@" < /dev/null > "$outfile" 2> "$DEST/logs/$name.log"
     fi
     RC=$?
     t1=$(date +%s.%N)
@@ -171,8 +171,18 @@ fi
 # pydantic 2 (the engine's EngineArgs) from carried wheels, where missing.
 if ! timeout 20 "$PY" -c 'import sys, pydantic; sys.exit(int(pydantic.VERSION.split(".")[0]) < 2)' 2> /dev/null; then
     if ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
+        # Our wheels go first on PYTHONPATH: a typing_extensions already there
+        # and new enough for pydantic is kept rather than shadowed by ours.
+        te_ok=0
+        timeout 20 "$PY" -c 'import sys; from importlib.metadata import version
+sys.exit(tuple(map(int, version("typing_extensions").split(".")[:3])) < (4, 14, 1))' 2> /dev/null && te_ok=1
+        wheels=()
+        for w in "$REPO"/.whl/*.whl; do
+            [ "$te_ok" = 1 ] && [[ $(basename "$w") == typing_extensions-* ]] && continue
+            wheels+=("$w")
+        done
         timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" \
-            "$REPO"/.whl/*.whl > "$DEST/logs/setup-wheels.log" 2>&1 \
+            "${wheels[@]}" > "$DEST/logs/setup-wheels.log" 2>&1 \
             && export PYTHONPATH="$WORK/site:$PYTHONPATH" \
             && setup_notes+=("pydantic installed from .whl/")
     else
@@ -245,7 +255,7 @@ else
     [ "${gib:-0}" -ge 120 ] && HF_BATCH=256
     # Issue 5's workload, one timed round; each engine child gets about half the step.
     THROUGHPUT=(--preset qwen3-0.6b --num-seqs 256 --min-len 100 --max-len 1024 --max-model-len 2048
-                --hf-batch "$HF_BATCH" --repeats 1 --timeout 70)
+                --hf-batch "$HF_BATCH" --repeats 1 --timeout 65)
 fi
 BENCH_OK=1
 BENCH_WHY=""
