@@ -444,3 +444,72 @@ def test_paged_attention_rejects_mismatched_shapes() -> None:
         paged_attention(torch.zeros(1, 3, 32, device=DEVICE), key_cache, value_cache, layout=NHD, **kwargs)
     with pytest.raises(ValueError, match="layout SPLIT"):
         paged_attention(torch.zeros(1, 4, 32, device=DEVICE), key_cache, value_cache, layout=SPLIT, **kwargs)
+
+
+# Compiled for an H100 (sm_90) with Triton's bundled ptxas, no GPU needed:
+# the interpreter accepts code the compiler rejects. Integer arguments are
+# specialised as the JIT would for contiguous caches (unit dim strides,
+# 16-aligned pointers and strides).
+_COMPILE_SCRIPT = r'''
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rayvllm.kernels import triton_attention as ta
+from rayvllm.kernels.attention_tiles import attention_tiles
+
+UNIT = {"stride_qd", "stride_od", "kc_stride_dim", "vc_stride_dim", "stride_bt_block"}
+INDEX = {"query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"}
+
+
+def compile_kernel(fn, consts, dtype):
+    options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages", 2))
+    sig, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(fn.fn).parameters):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32" if name in INDEX else "*fp32" if name.startswith("split") else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in UNIT:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            if "stride" in name:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+shared = {}
+for dtype, elem, head, splits, q_len in json.loads(sys.argv[1]):
+    tiles = attention_tiles(head, elem, 4, q_len)
+    consts = dict(BLOCK_SIZE=16, BLOCK_Q=tiles.block_m // 4, GROUP_PADDED=4, BLOCK_N=tiles.block_n,
+                  HEAD_SIZE_PADDED=head, UPCAST=False, DOT_PRECISION="ieee" if elem == 4 else "tf32",
+                  NUM_SPLITS=splits, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    shared[f"{dtype}-d{head}-s{splits}-q{q_len}"] = compile_kernel(ta._paged_attention_kernel, consts, dtype).metadata.shared
+    if splits > 1:
+        merge = dict(NUM_SPLITS=splits, HEAD_SIZE_PADDED=head, num_warps=4)
+        shared[f"merge-{dtype}-d{head}-s{splits}"] = compile_kernel(ta._merge_splits_kernel, merge, dtype).metadata.shared
+print(json.dumps(shared))
+'''
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run compiles every case natively")
+def test_kernels_compile_for_sm90() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    configs = [("bf16", 2, 128, 1, 1), ("bf16", 2, 128, 8, 1), ("bf16", 2, 256, 32, 128), ("fp32", 4, 64, 4, 128)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(configs)], capture_output=True, text=True, env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared = json.loads(result.stdout.splitlines()[-1])
+    assert len(shared) == 7
+    # Well inside any GPU since Ampere (an H100 has 228 KB per SM).
+    assert max(shared.values()) <= 100 << 10, shared
