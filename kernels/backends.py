@@ -215,6 +215,7 @@ class TritonBackend(_NHDTritonWriteBackend):
             seq_lens=v.seq_lens,
             block_tables=v.block_table,
             max_query_len=v.max_query_len,
+            max_seq_len=v.max_seq_len,
             scale=scale,
             layout=self.kv_layout,
         )

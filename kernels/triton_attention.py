@@ -16,14 +16,27 @@ sequence b, so a binary search over `query_start_loc` maps a program to its
 sequence, and `T // BLOCK_Q + B` programs cover every batch of T tokens in B
 sequences. The few spare programs (at most one per sequence) exit at once.
 The grid depends only on T and B, never on device values: no host sync.
+
+Split-KV (flash-decoding, `kernels/attention_tiles.py` says when). With
+`NUM_SPLITS` > 1 the grid gains a third axis: program (t, kv_head, s) walks
+only split s of its tile's keys, `cdiv(cdiv(kv_end, NUM_SPLITS), BLOCK_N)`
+tiles of them (so the last split is the short one, and splits past a short
+context are empty), and writes its rows' running max, sum and unnormalised
+output to float32 scratch; `_merge_splits_kernel` then rescales the splits
+to a common max and divides once. Each sequence's split length comes from
+its own context on the device, so the launch still depends on host ints only
+and a CUDA graph captured at one context length replays at any other.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from rayvllm.kernels.attention_tiles import attention_tiles, num_kv_splits
 from rayvllm.kernels.kv_layout import KVCacheLayout, cache_geometry, cache_strides
 
 _LOG2E = 1.4426950408889634
@@ -50,6 +63,9 @@ def _paged_attention_kernel(
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
+    split_max_ptr,
+    split_sum_ptr,
+    split_acc_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -80,6 +96,7 @@ def _paged_attention_kernel(
     HEAD_SIZE_PADDED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     """Invariants the caller guarantees (none is checked on the device):
     - sequence b's queries are rows [query_start_loc[b], query_start_loc[b+1])
@@ -89,10 +106,14 @@ def _paged_attention_kernel(
     - `qk_scale` is the softmax scale times log2(e) (scores live in base 2).
     A query at position p attends to keys 0..p. Entries of block_tables past a
     sequence's last block, and cache slots past seq_lens[b], are never read, so
-    they may hold anything (garbage ids, NaN)."""
+    they may hold anything (garbage ids, NaN).
+    With NUM_SPLITS > 1 nothing goes to `out`: row r of token t, head h,
+    split s leaves its max (base 2) and sum at `split_*[(t * H + h) *
+    NUM_SPLITS + s]` and its output at that index times HEAD_SIZE_PADDED."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PADDED
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -124,6 +145,12 @@ def _paged_attention_kernel(
 
     # The last query of this tile sees keys up to its own position only.
     kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_Q)
+    if NUM_SPLITS == 1:
+        kv_start = 0
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = split * split_len
+        kv_end = tl.minimum(kv_end, kv_start + split_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,7 +159,7 @@ def _paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * vc_stride_head
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
 
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_valid = cols < kv_end
         # Masked columns issue no load, so table entries past the sequence's
@@ -170,11 +197,59 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # Padded rows have l = 0 and are not stored; dividing them by 1 keeps
-    # every lane free of 0/0.
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    if NUM_SPLITS == 1:
+        # Padded rows have l = 0 and are not stored; dividing them by 1 keeps
+        # every lane free of 0/0.
+        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        # An empty split (or one whose keys a causal row cannot see yet)
+        # leaves m = -inf, l = 0, acc = 0: the merge gives it weight 0.
+        part = (token * (group * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(split_max_ptr + part, m_i, mask=row_valid)
+        tl.store(split_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(
+            split_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], acc, mask=row_valid[:, None]
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    split_max_ptr,
+    split_sum_ptr,
+    split_acc_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_seqs,
+    head_size,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+):
+    """Program (t, h): token t's head h from its NUM_SPLITS partials. Tokens
+    past the batch's last query (padding) belong to no sequence, have no
+    partials, and keep their `out` row."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(split_max_ptr + part)
+    # Split 0 always holds key 0, which every query sees: the max is finite.
+    m_all = tl.max(m, 0)
+    weight = tl.math.exp2(m - m_all)
+    total = tl.sum(tl.load(split_sum_ptr + part) * weight, 0)
+    dims = tl.arange(0, HEAD_SIZE_PADDED)
+    acc = tl.load(split_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :])
+    o = tl.sum(acc * weight[:, None], 0) / total
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=dims < head_size,
+    )
 
 
 def _interpreting() -> bool:
@@ -183,20 +258,20 @@ def _interpreting() -> bool:
     return not isinstance(_paged_attention_kernel, triton.JITFunction)
 
 
-def _is_tile_size(n: int) -> bool:
-    """tl.dot needs every tile dimension to be a power of 2 and at least 16."""
-    return n >= 16 and not n & (n - 1)
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _tile_rows(max_query_len: int, group_padded: int, block_m: int | None) -> int:
-    """Rows of a program's score tile. Small for decode-heavy steps (most rows
-    would be padding), larger when sequences bring many queries."""
-    if block_m is None:
-        block_m = min(64, max(16, triton.next_power_of_2(max(max_query_len, 1)) * group_padded))
-        block_m = max(block_m, group_padded)
-    if not _is_tile_size(block_m) or block_m < group_padded:
-        raise ValueError(f"block_m must be a power of 2 >= max(16, padded GQA group {group_padded}), got {block_m}")
-    return block_m
+def _launch_splits(device: torch.device, num_programs: int, max_seq_len: int | None) -> int:
+    """Split-KV count for a launch of `num_programs` on `device` (1 when the
+    caller gave no context bound)."""
+    if max_seq_len is None:
+        return 1
+    if device.type != "cuda":
+        return num_kv_splits(num_programs, max_seq_len)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return num_kv_splits(num_programs, max_seq_len, _sm_count(index))
 
 
 def paged_attention(
@@ -211,8 +286,10 @@ def paged_attention(
     scale: float,
     layout: KVCacheLayout = KVCacheLayout.SPLIT,
     out: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` `[T, num_heads, head_size]` over the paged
     cache; returns (or fills `out`) `[T, num_heads, head_size]` in the query's
@@ -222,12 +299,14 @@ def paged_attention(
     rows `[qsl[b], qsl[b+1])`, possibly none); `seq_lens` `[B]`: each
     sequence's context length including this step's queries, whose K/V are
     already cached; `block_tables` `[B, max_blocks]` (int32 or int64, any
-    strides); `max_query_len`: a host int, normally the largest q_len, that
-    only sizes the tiles (results do not depend on it, and no device value is
-    read back). Query rows past `qsl[B]` (padding) belong to no sequence:
-    their `out` rows are left untouched. `block_m`/`block_n` override the tile
-    sizes (rows = queries x padded GQA group, and keys per step) for tuning
-    and tests."""
+    strides); `max_query_len` and `max_seq_len`: host ints, upper bounds of
+    the q_lens and seq_lens, that only size the launch (results do not depend
+    on them, and no device value is read back; without `max_seq_len` keys
+    are never split). Query rows past `qsl[B]` (padding) belong to no
+    sequence: their `out` rows are left untouched. `block_m`/`block_n`
+    override the tile sizes (rows = queries x padded GQA group, and keys per
+    step) and `num_splits` the split-KV count (a power of 2), for tuning and
+    tests."""
     block_size, num_kv_heads, head_size = cache_geometry(key_cache, value_cache, layout)
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key cache {key_cache.dtype} and value cache {value_cache.dtype} differ in dtype")
@@ -244,6 +323,8 @@ def paged_attention(
         )
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of 2, got {block_size}")
+    if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
+        raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape:
@@ -253,24 +334,31 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
-    rows = _tile_rows(max_query_len, group_padded, block_m)
-    block_q = rows // group_padded
     head_size_padded = max(16, triton.next_power_of_2(head_size))
-    if block_n is None:
-        block_n = 64 if head_size_padded <= 128 else 32
-    if not _is_tile_size(block_n):
-        raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
+    tiles = attention_tiles(head_size_padded, key_cache.element_size(), group_padded, max_query_len, block_m, block_n)
+    block_q = tiles.block_m // group_padded
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    if num_splits is None:
+        num_splits = _launch_splits(query.device, grid[0] * grid[1], max_seq_len)
+    if num_splits > 1:
+        split_max = torch.empty(num_tokens * num_heads * num_splits, dtype=torch.float32, device=query.device)
+        split_sum = torch.empty_like(split_max)
+        split_acc = torch.empty(split_max.numel() * head_size_padded, dtype=torch.float32, device=query.device)
+    else:
+        split_max = split_sum = split_acc = out  # never touched
     # numpy has no bfloat16: the interpreter keeps bf16 as raw uint16 bits, and
     # its tl.dot would multiply those as integers. Casting the tiles to float32
     # first is exact (bf16 -> fp32 is lossless); on a GPU bf16 feeds the tensor
     # cores directly.
     upcast = _interpreting() and torch.bfloat16 in (query.dtype, key_cache.dtype)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
+    _paged_attention_kernel[(*grid, num_splits)](
         query,
         key_cache,
         value_cache,
         out,
+        split_max,
+        split_sum,
+        split_acc,
         query_start_loc,
         seq_lens,
         block_tables,
@@ -286,13 +374,28 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         GROUP_PADDED=group_padded,
-        BLOCK_N=block_n,
+        BLOCK_N=tiles.block_n,
         HEAD_SIZE_PADDED=head_size_padded,
         UPCAST=upcast,
         # fp32 inputs would silently run as tf32 on tensor cores, far from the
         # fp32 reference; half types ignore this setting.
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
-        num_warps=4 if rows * head_size_padded <= 64 * 128 else 8,
-        num_stages=2,
+        NUM_SPLITS=num_splits,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            split_max,
+            split_sum,
+            split_acc,
+            out,
+            query_start_loc,
+            *out.stride(),
+            num_seqs,
+            head_size,
+            NUM_SPLITS=num_splits,
+            HEAD_SIZE_PADDED=head_size_padded,
+            num_warps=4 if head_size_padded * num_splits <= 4096 else 8,
+        )
     return out

@@ -41,3 +41,16 @@ def tiny_tokenizer(tiny_model_dir: Path) -> "PreTrainedTokenizerBase":
     from rayvllm.tokenizer import get_tokenizer
 
     return get_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def no_ray_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """This environment plus a `ray` package that cannot be imported, first
+    on PYTHONPATH: a script run with it, and its children, see no Ray, as on
+    the GPU benchmark machine."""
+    fake = tmp_path_factory.mktemp("no_ray") / "ray"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ImportError("ray is blocked in this test")\n')
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(fake.parent), env.get("PYTHONPATH", "")) if p)
+    return env

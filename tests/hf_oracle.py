@@ -1,5 +1,6 @@
 """transformers as the correctness oracle: greedy continuations of the test
-models, computed once per (model, prompt) and shared by the test modules."""
+models, computed once per (model, prompt, device) and shared by the test
+modules."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ NUM_NEW = 24
 _CACHE: dict[tuple, tuple[list[int], torch.Tensor]] = {}
 
 
-def hf_greedy(model_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """transformers' own greedy generate; returns tokens and per-step log-softmax."""
-    key = (str(model_dir), tuple(prompt))
+def hf_greedy(model_dir: Path, prompt: list[int], device: str = "cpu") -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy generate in float32 on `device`; returns the
+    tokens and the per-step log-softmax (on the CPU)."""
+    key = (str(model_dir), tuple(prompt), device)
     if key not in _CACHE:
-        model = hf_model(model_dir)
+        model = hf_model(model_dir, device)
         out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=NUM_NEW,
             do_sample=False,
             eos_token_id=None,
@@ -30,18 +32,19 @@ def hf_greedy(model_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tens
         )
         tokens = out.sequences[0, len(prompt) :].tolist()
         assert len(tokens) == NUM_NEW
-        logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+        logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1).cpu()
         _CACHE[key] = (tokens, logprobs)
     return _CACHE[key]
 
 
-_MODELS: dict[str, torch.nn.Module] = {}
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
 
 
-def hf_model(model_dir: Path) -> torch.nn.Module:
-    if str(model_dir) not in _MODELS:
-        _MODELS[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return _MODELS[str(model_dir)]
+def hf_model(model_dir: Path, device: str = "cpu") -> torch.nn.Module:
+    key = (str(model_dir), device)
+    if key not in _MODELS:
+        _MODELS[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    return _MODELS[key]
 
 
 def hf_embedding(model_dir: Path, prompt: list[int], pooling_type: str, normalize: bool) -> torch.Tensor:

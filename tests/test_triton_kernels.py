@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from rayvllm.kernels import reference  # noqa: E402
+from rayvllm.kernels import reference, triton_attention  # noqa: E402
+from rayvllm.kernels.attention_tiles import MAX_SPLITS, attention_tiles, is_tile_size, num_kv_splits  # noqa: E402
 from rayvllm.kernels.kv_layout import KVCacheLayout, cache_strides, kv_cache_shapes  # noqa: E402
 from rayvllm.kernels.triton_attention import paged_attention  # noqa: E402
 from rayvllm.kernels.triton_kv_cache import reshape_and_cache  # noqa: E402
@@ -144,6 +145,7 @@ class Case:
     block_n: int | None = None
     index_dtype: torch.dtype = torch.int32  # of seq_lens and block_tables
     max_query_len: int | None = None  # None: the true maximum
+    num_splits: int | None = None  # None: the kernel's choice from max(seq_lens)
 
     def __str__(self) -> str:
         return self.name
@@ -178,6 +180,24 @@ CPU_CASES = [
     Case("chunked-f16-gqa4-d48", q_lens=(9, 12, 1), seq_lens=(12, 40, 3), dtype=F16, heads=8, head_size=48, block_m=16),
     # max_query_len only sizes tiles: an understated one must still be right.
     Case("chunked-f32-nhd-understated-max", q_lens=(1, 17), seq_lens=(9, 20), layout=NHD, max_query_len=1),
+    # Split-KV. 150 keys in 4 splits of 48 (tiles of 16): the last split holds
+    # 6; the 37-key context leaves split 3 empty, the 5-key one splits 1-3.
+    Case("split4-decode-f32-bs8", q_lens=(1,) * 3, seq_lens=(150, 37, 5), block_size=8, block_n=16, num_splits=4),
+    Case(
+        "split8-decode-bf16-nhd-gqa4-d64", q_lens=(1,) * 3, seq_lens=(200, 64, 1), dtype=BF16, layout=NHD,
+        heads=8, head_size=64, block_n=16, num_splits=8,
+    ),
+    Case("split4-decode-f32-mha-d256-bs32", q_lens=(1, 1), seq_lens=(90, 17), heads=2, kv_heads=2,
+         head_size=256, block_size=32, block_n=16, num_splits=4),
+    Case("split2-decode-f16-gqa3-d80", q_lens=(1, 1), seq_lens=(75, 40), dtype=F16, heads=6, head_size=80,
+         block_size=8, block_n=16, num_splits=2),
+    # Prefill tiles split too: rows whose causal limit falls before a split
+    # see nothing there.
+    Case("split2-mixed-f16-nhd-d128", q_lens=(1, 9, 0, 1), seq_lens=(70, 40, 5, 33), dtype=F16, layout=NHD,
+         head_size=128, block_m=16, block_n=16, num_splits=2),
+    # The kernel's own choice: two sequences give 2 programs, so a 600-key
+    # context splits in two (test_num_kv_splits_rule checks the count).
+    Case("auto-split-decode-f32-gqa4", q_lens=(1, 1), seq_lens=(600, 300), heads=4, kv_heads=1),
 ]
 
 GPU_CASES = [
@@ -199,6 +219,25 @@ GPU_CASES = [
         dtype=F16, heads=16, kv_heads=8, head_size=80, block_size=8,
     ),
     Case("gpu-prefill-f32-d64", q_lens=(1000, 250), seq_lens=(2047, 250), heads=8, kv_heads=2, head_size=64),
+    # Long-context decodes of a few sequences: the kernel's own split-KV choice.
+    Case(
+        "gpu-long-decode-bf16-d128-gqa4", q_lens=(1,) * 4, seq_lens=_ragged(4, 8000, 32768, 5),
+        dtype=BF16, layout=NHD, heads=32, kv_heads=8, head_size=128,
+    ),
+    Case(
+        "gpu-long-decode-f16-nhd-d64-mha", q_lens=(1, 1), seq_lens=(16384, 4097),
+        dtype=F16, layout=NHD, heads=16, kv_heads=16, head_size=64,
+    ),
+    Case(
+        "gpu-long-decode-bf16-d256-bs32", q_lens=(1,) * 3, seq_lens=(12000, 257, 7000),
+        dtype=BF16, layout=NHD, heads=8, kv_heads=2, head_size=256, block_size=32,
+    ),
+    Case(
+        "gpu-long-mixed-bf16-d128", q_lens=(1, 1, 128), seq_lens=(20000, 9000, 4096),
+        dtype=BF16, layout=NHD, heads=32, kv_heads=8, head_size=128,
+    ),
+    Case("gpu-split16-f32-d128", q_lens=(1,) * 2, seq_lens=(30000, 3000), heads=8, kv_heads=2, head_size=128,
+         num_splits=16),
 ]
 
 CASES = CPU_CASES + (GPU_CASES if ON_GPU else [])
@@ -284,15 +323,63 @@ def test_paged_attention_matches_reference(case: Case) -> None:
         seq_lens=batch.seq_lens,
         block_tables=batch.block_tables,
         max_query_len=case.max_query_len or max(case.q_lens),
+        max_seq_len=max(case.seq_lens),
         scale=scale,
         layout=case.layout,
         out=out,
         block_m=case.block_m,
         block_n=case.block_n,
+        num_splits=case.num_splits,
     )
     assert result is out
     assert torch.isnan(out_storage[..., case.head_size :]).all()
     torch.testing.assert_close(out.float(), _oracle(case, batch, scale), **TOL[case.dtype])
+
+
+def test_num_kv_splits_rule() -> None:
+    """Splits only when programs are scarce and contexts long; a power of 2."""
+    assert num_kv_splits(2, 600) == 2  # the auto-split case above
+    assert num_kv_splits(40, 32768) == 4  # 4 sequences x 8 KV heads (+1 spare tile each)
+    assert num_kv_splits(4, 1 << 20) == MAX_SPLITS
+    assert num_kv_splits(8, 300) == 1  # one split's worth of keys
+    assert num_kv_splits(64 * 8, 32768) == 1  # a full batch fills the GPU already
+    assert num_kv_splits(40, 32768, sm_count=16) == 1
+    assert all(n & (n - 1) == 0 for n in (num_kv_splits(p, 8192) for p in range(1, 300)))
+    assert triton_attention._launch_splits(torch.device("cpu"), 2, 600) == 2
+    assert triton_attention._launch_splits(torch.device("cpu"), 2, None) == 1
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_tiles_per_head_size(head_size: int, dtype: torch.dtype) -> None:
+    """Decode and prefill tiles are valid tl.dot shapes; a step's K and V
+    tiles stay within 32 KB (wide heads and float32 take fewer keys), and
+    warps grow with the accumulator."""
+    elem = dtype.itemsize
+    decode = attention_tiles(head_size, elem, group_padded=4, max_query_len=1)
+    prefill = attention_tiles(head_size, elem, group_padded=4, max_query_len=512)
+    for tiles in (decode, prefill):
+        assert is_tile_size(tiles.block_m) and is_tile_size(tiles.block_n)
+        assert 2 * tiles.block_n * head_size * elem <= 32 << 10 and tiles.num_warps in (4, 8)
+    assert (decode.block_m, prefill.block_m) == (16, 64)
+    assert decode.block_n == {(64, 2): 128, (128, 2): 64, (256, 2): 32, (64, 4): 64, (128, 4): 32, (256, 4): 16}[
+        head_size, elem
+    ]
+    assert prefill.num_warps >= decode.num_warps
+    with pytest.raises(ValueError, match="block_n"):
+        attention_tiles(head_size, elem, 4, 1, block_n=24)
+
+
+def test_split_count_must_be_a_power_of_2() -> None:
+    k_shape, v_shape = kv_cache_shapes(NHD, 2, 8, 1, 32)
+    key_cache, value_cache = torch.zeros(k_shape, device=DEVICE), torch.zeros(v_shape, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(
+            torch.zeros(1, 1, 32, device=DEVICE), key_cache, value_cache, layout=NHD, num_splits=3,
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([1], dtype=torch.int32, device=DEVICE),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), max_query_len=1, scale=1.0,
+        )
 
 
 @pytest.mark.parametrize("layout", [SPLIT, NHD])
@@ -357,3 +444,72 @@ def test_paged_attention_rejects_mismatched_shapes() -> None:
         paged_attention(torch.zeros(1, 3, 32, device=DEVICE), key_cache, value_cache, layout=NHD, **kwargs)
     with pytest.raises(ValueError, match="layout SPLIT"):
         paged_attention(torch.zeros(1, 4, 32, device=DEVICE), key_cache, value_cache, layout=SPLIT, **kwargs)
+
+
+# Compiled for an H100 (sm_90) with Triton's bundled ptxas, no GPU needed:
+# the interpreter accepts code the compiler rejects. Integer arguments are
+# specialised as the JIT would for contiguous caches (unit dim strides,
+# 16-aligned pointers and strides).
+_COMPILE_SCRIPT = r'''
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rayvllm.kernels import triton_attention as ta
+from rayvllm.kernels.attention_tiles import attention_tiles
+
+UNIT = {"stride_qd", "stride_od", "kc_stride_dim", "vc_stride_dim", "stride_bt_block"}
+INDEX = {"query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"}
+
+
+def compile_kernel(fn, consts, dtype):
+    options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages", 2))
+    sig, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(fn.fn).parameters):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32" if name in INDEX else "*fp32" if name.startswith("split") else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in UNIT:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            if "stride" in name:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+shared = {}
+for dtype, elem, head, splits, q_len in json.loads(sys.argv[1]):
+    tiles = attention_tiles(head, elem, 4, q_len)
+    consts = dict(BLOCK_SIZE=16, BLOCK_Q=tiles.block_m // 4, GROUP_PADDED=4, BLOCK_N=tiles.block_n,
+                  HEAD_SIZE_PADDED=head, UPCAST=False, DOT_PRECISION="ieee" if elem == 4 else "tf32",
+                  NUM_SPLITS=splits, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    shared[f"{dtype}-d{head}-s{splits}-q{q_len}"] = compile_kernel(ta._paged_attention_kernel, consts, dtype).metadata.shared
+    if splits > 1:
+        merge = dict(NUM_SPLITS=splits, HEAD_SIZE_PADDED=head, num_warps=4)
+        shared[f"merge-{dtype}-d{head}-s{splits}"] = compile_kernel(ta._merge_splits_kernel, merge, dtype).metadata.shared
+print(json.dumps(shared))
+'''
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run compiles every case natively")
+def test_kernels_compile_for_sm90() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    configs = [("bf16", 2, 128, 1, 1), ("bf16", 2, 128, 8, 1), ("bf16", 2, 256, 32, 128), ("fp32", 4, 64, 4, 128)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(configs)], capture_output=True, text=True, env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared = json.loads(result.stdout.splitlines()[-1])
+    assert len(shared) == 7
+    # Well inside any GPU since Ampere (an H100 has 228 KB per SM).
+    assert max(shared.values()) <= 100 << 10, shared

@@ -1,0 +1,334 @@
+#!/usr/bin/env bash
+# The GPU proof in one command (issue 20): everything the GPU path claims,
+# run on one CUDA machine in under 9 minutes, from the checkout, with no
+# Ray, no network and no install.
+#
+#   bash bench/gpu_proof.sh [DIR]          # results in DIR, else $OUT, else bench/results/gpu_proof
+#   bash bench/gpu_proof.sh --smoke [DIR]  # the same steps on the CPU at tiny sizes (CI)
+#
+# Steps, each under its own time limit. First the tests, side by side (at
+# most 150 s in all): the Triton kernel tests at full size, greedy parity
+# with transformers in float32 on CUDA and the bf16 logprob tolerance, the
+# attention-backend, CUDA-graph, GPU-setup and Ray-free test files. Then the
+# benches, one at a time (at most 300 s): the decode roofline at batch 64
+# and 256 with CUDA graphs, throughput against transformers (qwen3-0.6b
+# preset), the roofline in eager mode. With setup that is under 8.5 minutes,
+# and no step runs past GPU_PROOF_BUDGET_S (500 s) from the start. A failing
+# step is recorded and the next one runs. GPU_PROOF_STEPS=kernels,throughput
+# runs only those steps (to re-run what failed).
+#
+# Output: summary.md (each step's status, wall time and note, with the
+# versions), tables.md (every table the benches printed), versions.txt, and
+# each step's log and raw output under logs/, tables/, data/. When DIR is
+# $OUT (the device tool's folder, which returns at most 8 files), those
+# three folders are packed into steps.tar.gz (GPU_PROOF_PACK=0/1 overrides).
+#
+# Imports come from the checkout: bench/srcpath goes on PYTHONPATH, and its
+# sitecustomize maps rayvllm.kernels and rayvllm.actors as `pip install -e .`
+# would; `pip install --no-build-isolation --no-deps -e .` is the fallback.
+# pydantic, which the engine needs and that machine's image lacks, is
+# installed from .whl/ when it is missing there (bench/gpu_wheels.sh fetches
+# the wheels; the device call carries .whl).
+set -u -o pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+SMOKE=${GPU_PROOF_SMOKE:-0}
+DEST=""
+for arg in "$@"; do
+    case $arg in
+        --smoke) SMOKE=1 ;;
+        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) DEST=$arg ;;
+    esac
+done
+PACK_DEFAULT=0
+if [ -z "$DEST" ]; then
+    if [ -n "${OUT:-}" ]; then DEST=$OUT; PACK_DEFAULT=1; else DEST=$REPO/bench/results/gpu_proof; fi
+fi
+PACK=${GPU_PROOF_PACK:-$PACK_DEFAULT}
+PY=${PYTHON:-python3}
+BUDGET_S=${GPU_PROOF_BUDGET_S:-500}
+# A comma-separated subset of the steps below (setup always runs), to re-run what failed.
+ONLY=${GPU_PROOF_STEPS:-}
+# Smoke runs share a small CI machine: the limits there only catch hangs.
+SCALE=1
+[ "$SMOKE" = 1 ] && SCALE=4
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_proof.XXXXXX")
+mkdir -p "$DEST/logs" "$DEST/tables" "$DEST/data"
+DEST=$(cd "$DEST" && pwd -P)
+# Each step's record: one line of `name status wall_s limit_s note` in
+# data/steps/NAME.tsv (tests run side by side, so one file each).
+STEPS=$DEST/data/steps
+mkdir -p "$STEPS"
+ORDER=(setup kernels gpu-parity attention-backends cuda-graph gpu-setup ray-free roofline-graphs throughput
+       roofline-eager)
+START=$(date +%s)
+
+export PYTHONPATH="$REPO/bench/srcpath${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAYVLLM_BENCH_CACHE=${RAYVLLM_BENCH_CACHE:-$WORK/cache}
+cd "$REPO" || exit 1
+
+say() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
+
+# record NAME STATUS WALL_S LIMIT_S NOTE
+record() {
+    printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" > "$STEPS/$1.tsv"
+    say "$1: $2 (${3}s) $5"
+}
+
+skip() { record "$1" skipped 0 - "$2"; }
+
+# run_limited NAME LIMIT_S OUTFILE CMD...: runs CMD under `timeout` (which
+# kills its whole process group, engine children included), stdout to
+# OUTFILE and stderr to logs/NAME.log (the same file for pytest); sets
+# RC, WALL and LIMIT. Returns 1 without running when the budget is spent.
+run_limited() {
+    local name=$1 limit=$(( $2 * SCALE )) outfile=$3
+    shift 3
+    local left=$(( BUDGET_S * SCALE - ($(date +%s) - START) ))
+    if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+        skip "$name" "not in GPU_PROOF_STEPS=$ONLY"
+        return 1
+    fi
+    if [ "$left" -lt 10 ]; then
+        skip "$name" "out of the time budget (GPU_PROOF_BUDGET_S=$BUDGET_S)"
+        return 1
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    say "$name: running (limit ${limit}s): $*"
+    local t0 t1
+    t0=$(date +%s.%N)
+    if [ "$outfile" = "$DEST/logs/$name.log" ]; then
+        timeout -k 5 "$limit" "$@" < /dev/null > "$outfile" 2>&1
+    else
+        timeout -k 5 "$limit" "$@" < /dev/null > "$outfile" 2> "$DEST/logs/$name.log"
+    fi
+    RC=$?
+    t1=$(date +%s.%N)
+    WALL=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    LIMIT=$limit
+    return 0
+}
+
+status_of() {  # status_of RC
+    case $1 in
+        0) echo passed ;;
+        124|137) echo timeout ;;
+        *) echo "failed (rc $1)" ;;
+    esac
+}
+
+# pytest_step NAME LIMIT_S FILE [PYTEST ARGS...]
+pytest_step() {
+    local name=$1 limit=$2 file=$3
+    shift 3
+    if [ "$HAVE_PYTEST" != 1 ]; then skip "$name" "pytest is not installed"; return; fi
+    local log=$DEST/logs/$name.log
+    run_limited "$name" "$limit" "$log" "$PY" -m pytest -q -rfEs -p no:cacheprovider "$file" "$@" || return
+    # pytest's last line: "3 passed, 2 skipped in 4.1s" (or "no tests ran").
+    local counts status
+    counts=$(grep -E '[0-9]+ (passed|failed|skipped|error|errors|deselected)|no tests ran' "$log" | tail -n 1 \
+        | sed -E 's/=+//g; s/^ +//; s/ +$//; s/ in [0-9.]+s.*$//')
+    status=$(status_of "$RC")
+    if [ "$RC" = 0 ] && ! grep -q passed <<< "$counts"; then status=skipped; fi
+    [ "$RC" = 5 ] && status="failed (no tests ran)"
+    [ "$status" = timeout ] && counts="killed at its ${LIMIT} s limit; $(grep -cE '(PASSED|FAILED|ERROR)' "$log") results logged"
+    record "$name" "$status" "$WALL" "$LIMIT" "$counts"
+}
+
+# bench_step NAME LIMIT_S CMD...: the command's stdout (its table) goes to tables/NAME.txt.
+bench_step() {
+    local name=$1 limit=$2
+    shift 2
+    run_limited "$name" "$limit" "$DEST/tables/$name.txt" "$@" || return
+    local note status
+    # The targets' verdicts (GPU), else throughput's rates.
+    note=$( (grep -E '^target ' "$DEST/tables/$name.txt" | sed -E 's/: step <=.*graphs: / /'
+             awk '/^(rayvllm|transformers) +[0-9]/ { print $1 " " $4 " tok/s" }' "$DEST/tables/$name.txt") \
+        | tr '\n' ';' | sed 's/;$//')
+    status=$(status_of "$RC")
+    if [ "$status" = timeout ]; then
+        note="killed at its ${LIMIT} s limit: $(tail -n 1 "$DEST/logs/$name.log")"
+    elif [ "$RC" != 0 ]; then
+        note="$(tail -n 1 "$DEST/logs/$name.log")"
+    elif grep -q ' error: ' "$DEST/tables/$name.txt"; then
+        # throughput.py reports a failed engine child in its table and exits 0.
+        status="failed (an engine errored)"
+        note="$(grep ' error: ' "$DEST/tables/$name.txt" | head -n 1 | tr -s ' ')"
+    fi
+    record "$name" "$status" "$WALL" "$LIMIT" "$note"
+}
+
+# ---------------------------------------------------------------- setup
+say "gpu_proof: repo $REPO, results in $DEST, smoke=$SMOKE"
+t_setup=$(date +%s)
+setup_notes=()
+if ! command -v "$PY" > /dev/null; then
+    skip setup "no $PY on PATH: nothing can run"
+    exit 1
+fi
+# pydantic 2 (the engine's EngineArgs) from carried wheels, where missing.
+if ! timeout 20 "$PY" -c 'import sys, pydantic; sys.exit(int(pydantic.VERSION.split(".")[0]) < 2)' 2> /dev/null; then
+    if ls "$REPO"/.whl/*.whl > /dev/null 2>&1; then
+        # Our wheels go first on PYTHONPATH: a typing_extensions already there
+        # and new enough for pydantic is kept rather than shadowed by ours.
+        te_ok=0
+        timeout 20 "$PY" -c 'import sys; from importlib.metadata import version
+sys.exit(tuple(map(int, version("typing_extensions").split(".")[:3])) < (4, 14, 1))' 2> /dev/null && te_ok=1
+        wheels=()
+        for w in "$REPO"/.whl/*.whl; do
+            [ "$te_ok" = 1 ] && [[ $(basename "$w") == typing_extensions-* ]] && continue
+            wheels+=("$w")
+        done
+        timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" \
+            "${wheels[@]}" > "$DEST/logs/setup-wheels.log" 2>&1 \
+            && export PYTHONPATH="$WORK/site:$PYTHONPATH" \
+            && setup_notes+=("pydantic installed from .whl/")
+    else
+        setup_notes+=("pydantic 2 missing and no .whl/ (run bench/gpu_wheels.sh where pip works, carry .whl)")
+    fi
+fi
+write_versions() {
+    {
+        echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+        echo "commit: $(git -C "$REPO" rev-parse HEAD 2> /dev/null || echo 'unknown (no .git)')"
+        echo "command: bash bench/gpu_proof.sh $*"
+        if command -v nvidia-smi > /dev/null; then
+            echo "nvidia-smi: $(timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+                --format=csv,noheader 2>&1 | tr '\n' ';')"
+            echo "driver $(timeout 20 nvidia-smi 2>&1 | grep -o 'CUDA Version: [0-9.]*' | head -n 1)"
+        else
+            echo "nvidia-smi: not found"
+        fi
+        command -v nvcc > /dev/null && echo "nvcc: $(nvcc --version | tail -n 2 | tr '\n' ' ')"
+        timeout 90 "$PY" bench/gpu_env.py 2>&1
+    } > "$DEST/versions.txt"
+}
+from_checkout() { grep -qxF "rayvllm.kernels from: $REPO/kernels/__init__.py" "$DEST/versions.txt"; }
+write_versions "$@"
+if ! from_checkout; then
+    if [ "$SMOKE" != 1 ] && timeout 60 "$PY" -m pip install -q --no-build-isolation --no-deps -e "$REPO" \
+            > "$DEST/logs/setup-pip.log" 2>&1 && write_versions "$@" && from_checkout; then
+        setup_notes+=("imports via pip install --no-build-isolation -e .")
+    else
+        setup_notes+=("$(grep '^rayvllm.kernels from:' "$DEST/versions.txt"), not the checkout's")
+    fi
+fi
+command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi > "$DEST/logs/nvidia-smi.log" 2>&1
+HAVE_PYTEST=0
+grep -q '^pytest: [0-9]' "$DEST/versions.txt" && HAVE_PYTEST=1
+HAVE_CUDA=0
+grep -q '^CUDA device 0:' "$DEST/versions.txt" && HAVE_CUDA=1
+ENGINE_OK=0
+if grep -q '^engine import: ok$' "$DEST/versions.txt"; then
+    ENGINE_OK=1
+else
+    setup_notes+=("$(grep '^engine import:' "$DEST/versions.txt" || echo 'engine import: no answer')")
+fi
+# pytest-xdist, where present, compiles the kernel tests' Triton variants in parallel.
+XDIST_KERNELS=() XDIST_PARITY=()
+if [ "$SMOKE" != 1 ] && grep -q '^xdist: [0-9]' "$DEST/versions.txt"; then XDIST_KERNELS=(-n 6) XDIST_PARITY=(-n 3); fi
+setup_status=passed
+[ "$ENGINE_OK" = 1 ] || setup_status=failed
+record setup "$setup_status" "$(( $(date +%s) - t_setup ))" - "$(IFS=';'; echo "${setup_notes[*]:-imports from the checkout}")"
+
+# ---------------------------------------------------------------- steps
+# Smoke mode: pytest -k selections and bench sizes small enough for CI.
+if [ "$SMOKE" = 1 ]; then
+    K_KERNELS=(-k "split4-decode-f32-bs8 or num_kv_splits or tiles_per_head_size")
+    K_BACKENDS=(-k "test_auto_picks_by_device_and_availability")
+    K_GRAPHS=(-k "test_capture_sizes or test_padded_size")
+    K_SETUP=(-k "test_kv_cache_budget_arithmetic")
+    DEVICE=cpu
+    ROOFLINE=(--preset tiny --batch-sizes 2,3 --context-len 12 --steps 2 --warmup-steps 1 --copy-mib 8)
+    THROUGHPUT=(--preset tiny --engines rayvllm,transformers --num-seqs 4 --min-len 8 --max-len 16)
+else
+    K_KERNELS=() K_BACKENDS=() K_GRAPHS=() K_SETUP=()
+    DEVICE=cuda
+    ROOFLINE=(--preset qwen3-0.6b --batch-sizes 64,256)
+    # transformers' static batch: all 256 requests at once where their KV
+    # cache (256 x 2048 positions, ~60 GB in bf16) fits beside the rest
+    # (an H200), else two batches of 128 (an 80 GB H100).
+    gib=$(sed -nE 's/^CUDA device 0: .* ([0-9]+)\.[0-9] GiB$/\1/p' "$DEST/versions.txt")
+    HF_BATCH=128
+    [ "${gib:-0}" -ge 120 ] && HF_BATCH=256
+    # Issue 5's workload, one timed round; each engine child gets about half the step.
+    THROUGHPUT=(--preset qwen3-0.6b --num-seqs 256 --min-len 100 --max-len 1024 --max-model-len 2048
+                --hf-batch "$HF_BATCH" --repeats 1 --timeout 65)
+fi
+BENCH_OK=1
+BENCH_WHY=""
+if [ "$SMOKE" != 1 ] && [ "$HAVE_CUDA" != 1 ]; then BENCH_OK=0; BENCH_WHY="no CUDA device (--smoke runs the CPU sizes)"; fi
+[ "$ENGINE_OK" = 1 ] || { BENCH_OK=0; BENCH_WHY="the engine does not import (see setup)"; }
+ENGINE_WHY="the engine does not import (see setup)"
+
+# The tests first, side by side: none times anything, and together they take
+# what the slowest takes. Then the benches, one at a time, alone on the device.
+pytest_step kernels 150 tests/test_triton_kernels.py "${XDIST_KERNELS[@]}" "${K_KERNELS[@]}" &
+if [ "$ENGINE_OK" = 1 ]; then
+    pytest_step gpu-parity 150 tests/test_gpu_parity.py "${XDIST_PARITY[@]}" &
+    pytest_step attention-backends 150 tests/test_attention_backends.py "${K_BACKENDS[@]}" &
+    pytest_step cuda-graph 120 tests/test_cuda_graph.py "${K_GRAPHS[@]}" &
+    pytest_step gpu-setup 120 tests/test_gpu_setup.py "${K_SETUP[@]}" &
+    pytest_step ray-free 90 tests/test_ray_free.py &
+else
+    for name in gpu-parity attention-backends cuda-graph gpu-setup ray-free; do skip "$name" "$ENGINE_WHY"; done
+fi
+wait
+if [ "$BENCH_OK" = 1 ]; then
+    bench_step roofline-graphs 90 "$PY" bench/decode_roofline.py --device "$DEVICE" "${ROOFLINE[@]}" \
+        --json-out "$DEST/data/roofline-graphs.json"
+    bench_step throughput 150 "$PY" bench/throughput.py --device "$DEVICE" "${THROUGHPUT[@]}" \
+        --log-dir "$DEST/logs/throughput" --json-out "$DEST/data/throughput.json"
+    bench_step roofline-eager 60 "$PY" bench/decode_roofline.py --device "$DEVICE" "${ROOFLINE[@]}" --enforce-eager \
+        --json-out "$DEST/data/roofline-eager.json"
+else
+    for name in roofline-graphs throughput roofline-eager; do skip "$name" "$BENCH_WHY"; done
+fi
+
+# ---------------------------------------------------------------- report
+TOTAL=$(( $(date +%s) - START ))
+{
+    echo "# GPU proof: $([ "$SMOKE" = 1 ] && echo 'CPU smoke run' || echo 'full run')"
+    echo
+    echo '```'
+    grep -E '^(date|commit|nvidia-smi|driver CUDA|nvcc|python|torch|triton|transformers|pydantic|CUDA device)' \
+        "$DEST/versions.txt"
+    grep -E '^(rayvllm.kernels from|engine import):' "$DEST/versions.txt"
+    echo '```'
+    echo
+    echo "Total wall time ${TOTAL} s (budget ${BUDGET_S} s x ${SCALE})."
+    echo
+    echo "| step | status | wall s | limit s | note |"
+    echo "| --- | --- | --- | --- | --- |"
+    for step in "${ORDER[@]}"; do
+        if [ -f "$STEPS/$step.tsv" ]; then
+            IFS=$'\t' read -r name status wall limit note < "$STEPS/$step.tsv"
+            echo "| $name | $status | $wall | $limit | ${note//|//} |"
+        else
+            echo "| $step | not run | - | - | the script ended before it |"
+        fi
+    done
+} > "$DEST/summary.md"
+{
+    echo "# Tables printed by the benches"
+    for name in "${ORDER[@]}"; do
+        f=$DEST/tables/$name.txt
+        [ -s "$f" ] || continue
+        echo
+        echo "## $name"
+        echo
+        echo '```'
+        cat "$f"
+        echo '```'
+    done
+} > "$DEST/tables.md"
+FAILED=0
+grep -qE '^\| [a-z-]+ \| (failed|timeout|not run)' "$DEST/summary.md" && FAILED=1
+if [ "$PACK" = 1 ]; then
+    tar -czf "$DEST/steps.tar.gz" -C "$DEST" logs tables data && rm -rf "$DEST/logs" "$DEST/tables" "$DEST/data"
+fi
+rm -rf "$WORK"
+cat "$DEST/summary.md"
+exit "$FAILED"
