@@ -361,22 +361,9 @@ class Processor:
         )
         return fan_out(request), self.prompt_text(prompt)
 
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        """`render_chat` below with this processor's tokenizer."""
-        return render_chat(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs, tools=tools,
-        )
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+        """The module's `render_chat` (its keyword options) with this processor's tokenizer."""
+        return render_chat(self.tokenizer, messages, **options)
 
     def process_chat(
         self,

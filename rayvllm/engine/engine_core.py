@@ -69,6 +69,13 @@ class EngineCore:
         groups (opaque here; the Ray executors use it)."""
         self.config = config
         self.reserved_pg = reserved_pg
+        # DP ranks whose worker group is being rebuilt, and ranks a health
+        # check found dead (added from the health check's thread, taken by
+        # the stepping one). Set first: a failed start shuts down.
+        self.recoveries: dict[int, RankRecovery] = {}
+        self._found_dead: set[int] = set()
+        self.num_rank_rebuilds = 0
+        self._wake_loop: Callable[[], None] | None = None
         pc = config.parallel_config
         dp = pc.data_parallel_size
         self.executors = executors or [create_executor(config, rank, reserved_pg) for rank in range(dp)]
@@ -98,13 +105,6 @@ class EngineCore:
         # pipeline stages are kept full instead.
         self._can_wait_for_intake = self.max_inflight == 2 and pc.pipeline_parallel_size == 1
         self.request_rank: dict[str, int] = {}
-        # DP ranks whose worker group is being rebuilt, and ranks a health
-        # check found dead (added from the health check's thread, taken by
-        # the stepping one).
-        self.recoveries: dict[int, RankRecovery] = {}
-        self._found_dead: set[int] = set()
-        self.num_rank_rebuilds = 0
-        self._wake_loop: Callable[[], None] | None = None
 
     def _make_scheduler(self, rank: int) -> Scheduler:
         pc = self.config.parallel_config
