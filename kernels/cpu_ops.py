@@ -29,6 +29,7 @@ def _library(isa: str | None = None) -> ctypes.CDLL | None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.silu_and_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]
+    lib.apply_token_bitmask_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i32]
     lib.rope_and_cache_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 5 + [i32]
     return lib
 
@@ -105,3 +106,19 @@ def silu_and_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     lib.silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, isa: str | None = None
+) -> None:
+    """In place, float32 on the CPU: for each r in `rows`, `logits[r, t] =
+    -inf` where row r of the int32 `bitmask` ([B, ceil(V / 32)], xgrammar's
+    layout) clears bit t % 32 of word t // 32."""
+    lib = _library(isa)
+    assert lib is not None
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and rows.dtype == torch.int64
+    lib.apply_token_bitmask_f32(
+        logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.shape[1],
+        rows.data_ptr(), rows.shape[0], logits.shape[1], torch.get_num_threads(),
+    )

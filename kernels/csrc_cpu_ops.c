@@ -6,6 +6,7 @@
  *   rope_and_cache: rotate q and k (neox layout), write k and v to their
  *                   paged-cache slots (slot -1 skipped), q and k out
  *   silu_and_mul:   out = silu(gate) * up for rows of [gate | up]
+ *   apply_token_bitmask: -inf where a grammar's bitmask disallows a token
  *
  * Rows are independent, so work is split over threads by row ranges.
  */
@@ -162,5 +163,47 @@ static void silu_mul_rows(void *arg, int64_t begin, int64_t end) {
 int silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int num_threads) {
     act_ctx c = {x, out, n};
     parallel_rows(silu_mul_rows, &c, rows, n, num_threads);
+    return 0;
+}
+
+/* ---- apply_token_bitmask -------------------------------------------------- */
+
+/* Row r of `bitmask` (int32 words, xgrammar's layout) allows token t iff bit
+ * t % 32 of word t / 32 is set; the others get -inf, in the rows listed in
+ * `rows` (bitmask row r goes with logits row r). A
+ * grammar usually allows few tokens: whole words of zeros are filled 32 at
+ * a time, words of ones skipped, only mixed words go bit by bit. */
+typedef struct {
+    float *logits;
+    const int32_t *bitmask;
+    const int64_t *rows;
+    int64_t logits_stride, words, vocab;
+} mask_ctx;
+
+static void mask_rows(void *arg, int64_t begin, int64_t end) {
+    mask_ctx *c = (mask_ctx *)arg;
+    const float ninf = -INFINITY;
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t r = c->rows[i];
+        float *__restrict row = c->logits + r * c->logits_stride;
+        const int32_t *__restrict bits = c->bitmask + r * c->words;
+        for (int64_t w = 0; w < c->words; w++) {
+            const uint32_t word = (uint32_t)bits[w];
+            const int64_t base = w * 32, n = c->vocab - base < 32 ? c->vocab - base : 32;
+            if (word == 0xffffffffu || n <= 0) continue;
+            if (word == 0) {
+                for (int64_t k = 0; k < n; k++) row[base + k] = ninf;
+                continue;
+            }
+            for (int64_t k = 0; k < n; k++)
+                if (!((word >> k) & 1u)) row[base + k] = ninf;
+        }
+    }
+}
+
+int apply_token_bitmask_f32(float *logits, int64_t logits_stride, const int32_t *bitmask, int64_t words,
+                            const int64_t *rows, int64_t num_rows, int64_t vocab, int num_threads) {
+    mask_ctx c = {logits, bitmask, rows, logits_stride, words, vocab};
+    parallel_rows(mask_rows, &c, num_rows, vocab, num_threads);
     return 0;
 }

@@ -261,3 +261,26 @@ def test_packed_gemm_matches_float64(isa: str, m: int, n: int, k: int) -> None:
     assert got.shape == (m, n)
     expected = (x.double() @ weight.double().t()).float()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_apply_token_bitmask_matches_torch(isa: str) -> None:
+    """The grammar mask: words of zeros, of ones and mixed, a vocabulary
+    that ends inside a word, a subset of rows (the others untouched)."""
+    from rayvllm.kernels import cpu_ops
+    from rayvllm.structured_output.bitmask import apply_token_bitmask_torch_
+
+    _require(isa, cpu_ops.available)
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 70, 1000 + 13
+    words = -(-vocab // 32)
+    density = torch.rand(rows, 1, generator=gen)  # per row: from almost nothing allowed to almost all
+    allowed = torch.rand(rows, words * 32, generator=gen) < density
+    allowed[0], allowed[1] = False, True
+    bitmask = (allowed.view(rows, words, 32).int() << torch.arange(32)).sum(-1).int()
+    logits = torch.randn(rows, vocab, generator=gen)
+    picked = [r for r in range(rows) if r % 4 != 3]
+    expected = logits.clone()
+    apply_token_bitmask_torch_(expected, bitmask, picked)
+    cpu_ops.apply_token_bitmask_(logits, bitmask, torch.tensor(picked), isa=isa)
+    assert torch.equal(logits, expected)

@@ -3,16 +3,20 @@
 Layout: row r of an int32 bitmask [B, ceil(V / 32)] allows token t iff bit
 `t % 32` of word `t // 32` is set; disallowed tokens get -inf.
 
-On the CPU xgrammar's own kernel does it. Measured on the 2-core Xeon (one
-thread, half the bits set): 64 rows x 32k vocabulary 11 ms against 21 ms
-for unpacking the bits in torch and `masked_fill_`, 32 x 152k 15 ms
-against 52 ms; equal at 8 x 4k. On other devices the torch unpacking runs
-(xgrammar's GPU kernels are built at run time; not measured here yet).
+On the CPU, float32 logits go through our C kernel (kernels/cpu_ops.py):
+a grammar allows few tokens, and the kernel fills whole words of zeros 32
+floats at a time over the rows' threads, where xgrammar's CPU kernel goes
+bit by bit on one thread (docs/BENCHMARKS.md: it made a JSON-schema round
+~1.5x slower than the unconstrained one). Without the C kernels (no
+compiler) xgrammar's kernel does it; on other devices the torch unpacking
+runs (xgrammar's GPU kernels are built at run time; not measured here yet).
 """
 
 from __future__ import annotations
 
 import torch
+
+from rayvllm.kernels import cpu_ops
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
@@ -20,6 +24,10 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     the rows `rows` (None: every row). `bitmask` (on the CPU) has one row
     per logits row."""
     if logits.device.type == "cpu":
+        if logits.dtype == torch.float32 and logits.stride(1) == 1 and cpu_ops.available():
+            index = torch.arange(logits.shape[0]) if rows is None else torch.tensor(rows, dtype=torch.int64)
+            cpu_ops.apply_token_bitmask_(logits, bitmask.contiguous(), index)
+            return
         import xgrammar
 
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
