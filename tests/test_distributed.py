@@ -163,10 +163,15 @@ def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path],
         llm.shutdown()
 
 
+def _live_groups() -> list[object]:
+    address = ray.get_runtime_context().gcs_address  # this test's cluster, even with another on the machine
+    return [p for p in list_placement_groups(address=address) if p.state != "REMOVED"]
+
+
 def _alive_rayvllm_actors() -> list[str]:
     return [
         a.class_name
-        for a in list_actors(filters=[("state", "!=", "DEAD")])
+        for a in list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "!=", "DEAD")])
         if a.class_name in ("SchedulerActor", "WorkerActor")
     ]
 
@@ -186,7 +191,7 @@ def test_shutdown_leaves_nothing_behind(
 ) -> None:
     llm = LLM(str(models["llama-gqa"]), **parallel, **ENGINE)
     assert sorted(_alive_rayvllm_actors()) == actors
-    pgs = [p for p in list_placement_groups() if p.state != "REMOVED"]
+    pgs = _live_groups()
     assert len(pgs) == 1 and pgs[0].name.startswith(group)
     llm.shutdown()
     # The actors (and with their processes, the gloo process groups) are
@@ -196,4 +201,4 @@ def test_shutdown_leaves_nothing_behind(
             break
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
     assert _alive_rayvllm_actors() == []
-    assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
+    assert _live_groups() == []

@@ -42,6 +42,18 @@ def cluster() -> Iterator[tuple[Cluster, list[object]]]:
         c.shutdown()
 
 
+def _schedulers() -> list[object]:
+    """This test's cluster's live SchedulerActors (asked by address: another
+    Ray may run on the machine)."""
+    address = ray.get_runtime_context().gcs_address
+    return list_actors(address=address, filters=[("class_name", "=", "SchedulerActor"), ("state", "=", "ALIVE")])
+
+
+def _groups() -> list[object]:
+    address = ray.get_runtime_context().gcs_address
+    return [p for p in list_placement_groups(address=address) if p.state != "REMOVED"]
+
+
 def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[object]], tiny_model_dir: Path) -> None:
     c, nodes = cluster
     llm = LLM(str(tiny_model_dir), **ENGINE)
@@ -54,7 +66,7 @@ def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[objec
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
-            (first,) = list_actors(filters=[("class_name", "=", "SchedulerActor"), ("state", "=", "ALIVE")])
+            (first,) = _schedulers()
             victim = next(n for n in nodes if n.node_id == first.node_id)  # type: ignore[attr-defined]
             tokens: list[list[int]] = [[] for _ in PROMPTS]
 
@@ -66,7 +78,7 @@ def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[objec
                         c.remove_node(victim)  # the node is gone, its processes with it
 
             await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
-            (second,) = list_actors(filters=[("class_name", "=", "SchedulerActor"), ("state", "=", "ALIVE")])
+            (second,) = _schedulers()
             return tokens, first.node_id, second.node_id, engine.restarts.total
         finally:
             engine.shutdown()
@@ -75,11 +87,11 @@ def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[objec
     assert restarts == 1 and before != after
     assert tokens == expected
     for _ in range(300):
-        if not list_actors(filters=[("class_name", "=", "SchedulerActor"), ("state", "=", "ALIVE")]):
+        if not _schedulers():
             break
         ray.get(ray.remote(num_cpus=0)(lambda: None).remote())
-    assert list_actors(filters=[("class_name", "=", "SchedulerActor"), ("state", "=", "ALIVE")]) == []
-    assert [p for p in list_placement_groups() if p.state != "REMOVED"] == []
+    assert _schedulers() == []
+    assert _groups() == []
 
 
 def test_without_room_requests_wait_until_a_node_returns(
