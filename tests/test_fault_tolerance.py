@@ -60,6 +60,10 @@ def undisturbed(tiny_model_dir: Path) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _live_groups() -> list[object]:
+    return [p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"]
+
+
 def _alive(class_name: str) -> list[object]:
     # This test's own cluster, even if another runs on the machine.
     address = ray.get_runtime_context().gcs_address
@@ -104,7 +108,7 @@ def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
             break
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
     assert _alive("SchedulerActor") == []
-    assert [p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"] == []
+    assert _live_groups() == []
 
 
 @pytest.mark.parametrize("notice", ["health check", "new request"])
@@ -175,7 +179,7 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
 
             await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
             assert len(_alive("WorkerActor")) == 2 and not {w.pid for w in workers} & {w.pid for w in _alive("WorkerActor")}
-            assert len([p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"]) == 1
+            assert len(_live_groups()) == 1
             return tokens, engine.restarts.total
         finally:
             engine.shutdown()
@@ -188,7 +192,7 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
             break
         ray.get(ray.remote(lambda: None).remote())
     assert _alive("SchedulerActor") == [] and _alive("WorkerActor") == []
-    assert [p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"] == []
+    assert _live_groups() == []
 
 
 def test_a_request_that_fails_its_step_fails_alone(

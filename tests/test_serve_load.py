@@ -18,7 +18,7 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
 
-from serve_harness import DIRECT_URL, ServeProcess, serve_run  # noqa: E402
+from serve_harness import DIRECT_URL, ServeProcess, served  # noqa: E402
 
 CLIENTS = 200
 MAX_PENDING = 120
@@ -32,17 +32,12 @@ REQUEST_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     args = [f"{k}={v}" for k, v in ENGINE.items()]
-    proc = serve_run(
+    with served(
         ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny",
          f"max_pending_requests={MAX_PENDING}", "disable_access_log=true", *args],
         tmp_path_factory.mktemp("serve-load") / "serve.log",
-        direct=True,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 async def _one(session: "aiohttp.ClientSession", index: int) -> tuple[str, object]:

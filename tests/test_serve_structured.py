@@ -17,7 +17,7 @@ import requests
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
 
-from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, serve_run  # noqa: E402
+from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, served  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -43,18 +43,13 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = serve_run(
+    with served(
         ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", "max_num_seqs=8",
          "max_model_len=1024", "kv_cache_memory_bytes=33554432", "enable_auto_tool_choice=true",
          "tool_call_parser=hermes"],
         tmp_path_factory.mktemp("serve") / "serve.log",
-        direct=True,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

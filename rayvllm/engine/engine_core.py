@@ -279,11 +279,13 @@ class EngineCore:
         """Start recoveries for ranks a health check found dead; install the
         groups rebuilt since. `block`: with no other rank able to step,
         wait for a rebuild (the offline engine has no intake to wake it)."""
+        if not self._found_dead and not self.recoveries:
+            return  # the common case, on every step
         for rank in list(self._found_dead):
             self._found_dead.discard(rank)
             if rank not in self.recoveries:
                 self._start_recovery(rank, EngineDeadError("a health check found it dead"))
-        if block and self.recoveries and not any(self.inflight) and not self.has_work():
+        if block and self.recoveries and not self.has_work():
             next(iter(self.recoveries.values())).wait()
         for rank, recovery in list(self.recoveries.items()):
             if not recovery.done():
