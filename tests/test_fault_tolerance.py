@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -145,6 +146,51 @@ def test_an_engine_killed_while_idle_is_replaced(
     tokens, reported, restarts = asyncio.run(main())
     assert tokens == undisturbed[0] and restarts == 1
     assert reported == (notice == "health check")
+
+
+def test_a_health_check_that_outlives_its_core_spares_the_new_one(
+    ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """Serve's periodic health check begins on a core that is killed; the
+    loop replaces the core before the check's answer comes back. That
+    answer is about the old core: health rechecks the new one and passes,
+    and the loop does not replace a healthy core a second time."""
+
+    async def main() -> tuple[list[int], int]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            client = engine.engine_core
+            real_check = client.check_health
+            grabbed, answer = threading.Event(), threading.Event()
+
+            def check_on_the_core_of_now() -> None:
+                actor = client.actor
+                grabbed.set()
+                answer.wait()
+                ray.get(actor.check_health.remote())
+
+            client.check_health = check_on_the_core_of_now
+            stale = asyncio.create_task(engine.check_health())
+            await asyncio.to_thread(grabbed.wait)
+            client.check_health = real_check
+            (victim,) = _alive("SchedulerActor")
+            os.kill(victim.pid, signal.SIGKILL)
+            async for _ in engine.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, "during"):
+                pass
+            assert engine.restarts.total == 1
+            answer.set()
+            await stale
+            tokens: list[int] = []
+            async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "after"):
+                tokens += out.outputs[0].token_ids
+            return tokens, engine.restarts.total
+        finally:
+            engine.shutdown()
+
+    tokens, restarts = asyncio.run(main())
+    assert tokens == undisturbed[0] and restarts == 1
 
 
 @pytest.mark.parametrize("victim_name", ["WorkerActor(rank=1)", "SchedulerActor"])

@@ -411,9 +411,14 @@ class AsyncLLM:
         started = self._step_started
         if started is not None and time.monotonic() - started > self.step_timeout_s:
             raise EngineDeadError(f"an engine step has run for over {self.step_timeout_s:.0f} s")
+        # A check that outlives its core (the loop replaced it meanwhile) says
+        # nothing about the new one and must not make the loop replace it.
+        core_generation = self.restarts.total
         try:
             await asyncio.to_thread(self.engine_core.check_health)
         except Exception as e:  # noqa: BLE001 - a dead actor surfaces as many Ray error types
+            if self.restarts.total != core_generation:
+                return await self.check_health()
             failure = e if isinstance(e, EngineDeadError) else EngineDeadError(f"a worker failed its health check: {e!r}")
             if self._step_started is None:
                 self._core_failed(failure)  # idle: nothing else would notice
