@@ -138,14 +138,14 @@ def test_raw_sse_names_each_event(server: ServeProcess) -> None:
     "body, param",
     [
         ({"input": "hi", "previous_response_id": "resp_123"}, "previous_response_id"),
-        ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": []}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0.type"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "temperature": -1}, "temperature"),
-        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text"),
+        # This server has no auto tool choice: tools without a choice mean "auto".
+        ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ],
 )
 def test_bad_requests_name_the_field(server: ServeProcess, body: dict, param: str) -> None:
@@ -226,3 +226,41 @@ def test_ending_follows_the_finish_reason(tiny_model_dir: Path, tiny_tokenizer, 
     last = asyncio.run(events())[-1]
     assert last.startswith(f"event: response.{status}\n")
     assert json.loads(last.split("data: ", 1)[1])["response"]["status"] == status
+
+
+def test_auto_tool_call_text_and_call_items(tiny_model_dir: Path, tiny_tokenizer) -> None:
+    """With "auto", the server's parser splits the model's text into a
+    message and a function call item; streamed, the message closes before
+    the call opens, and the final Response equals the unstreamed one."""
+    config = ModelConfig.from_path(str(tiny_model_dir), None, "auto", 256, 0, "cpu")
+    text = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    serving = OpenAIServingResponses(_ScriptedEngine(Processor(config, tiny_tokenizer), text, "stop"), [MODEL], 256,
+                                     enable_auto_tool_choice=True, tool_call_parser="hermes")
+    tools = [{"type": "function", "name": "get_weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    whole = asyncio.run(serving.create_response(ResponsesRequest(input="hi", tools=tools), "resp_x"))
+    assert isinstance(whole, ResponsesResponse) and whole.status == "completed"
+    message, call = whole.output
+    assert message.content[0].text == "Let me check. "
+    assert (call.type, call.name, json.loads(call.arguments), call.status) == (
+        "function_call", "get_weather", {"city": "Paris"}, "completed")
+
+    async def events() -> list[dict[str, Any]]:
+        stream = await serving.create_response(ResponsesRequest(input="hi", tools=tools, stream=True), "resp_y")
+        assert isinstance(stream, EventStream)
+        try:
+            return [json.loads(event.split("data: ", 1)[1]) async for event in stream]
+        finally:
+            await stream.aclose()
+
+    got = asyncio.run(events())
+    kinds = [e["type"] for e in got]
+    text_deltas = kinds.count("response.output_text.delta")
+    arg_deltas = kinds.count("response.function_call_arguments.delta")
+    assert kinds == (EVENT_ORDER + ["response.output_text.delta"] * text_deltas + CLOSING
+                     + ["response.output_item.added"] + ["response.function_call_arguments.delta"] * arg_deltas
+                     + ["response.function_call_arguments.done", "response.output_item.done", "response.completed"])
+    assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [0, 1]
+    final = got[-1]["response"]["output"]
+    assert final[0]["content"][0]["text"] == "Let me check. "
+    assert (final[1]["name"], json.loads(final[1]["arguments"])) == ("get_weather", {"city": "Paris"})

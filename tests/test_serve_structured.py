@@ -122,3 +122,116 @@ def test_bad_constraints_are_400_naming_the_field(server: ServeProcess, body: di
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# ---- tool_choice "auto": calls parsed from the model's own text ------------------------------
+
+# A random model never writes a hermes call by itself; this regex (vLLM's
+# structured_outputs, which "auto" leaves free) makes it write one, so the
+# server's hermes parser, not a constraint of its own, finds the call.
+HERMES_CALL = r'Sure\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}\n</tool_call>'
+
+
+def test_auto_tool_call_is_parsed_streamed_and_not(client: "openai.OpenAI") -> None:
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=[WEATHER], seed=3, temperature=1.0, max_tokens=100,
+                  extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content == "Sure. "
+    (call,) = out.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += [(tc.function.name, tc.function.arguments) for tc in delta.tool_calls or []]
+        finish = chunk.choices[0].finish_reason or finish
+    assert (content, finish) == ("Sure. ", "tool_calls")
+    assert calls == [(call.function.name, call.function.arguments)]
+
+
+# ---- /v1/responses: function tools and text.format ------------------------------------------
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_forced_function_calls_streamed_and_not(client: "openai.OpenAI") -> None:
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        kwargs = dict(model="tiny", input="Weather in Oslo?", tools=[RESPONSES_WEATHER], tool_choice=choice,
+                      temperature=0.0, max_output_tokens=100)
+        whole = client.responses.create(**kwargs)
+        assert whole.status == "completed"
+        (call,) = whole.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.call_id and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+        assert whole.tools[0].name == "get_weather"
+        events = list(client.responses.create(stream=True, **kwargs))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        kinds = [e.type for e in events]
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert kinds == (["response.created", "response.in_progress", "response.output_item.added"]
+                         + ["response.function_call_arguments.delta"] * len(deltas)
+                         + ["response.function_call_arguments.done", "response.output_item.done",
+                            "response.completed"])
+        assert "".join(deltas) == events[-3].arguments == call.arguments
+        final = events[-1].response
+        assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "get_weather", call.arguments)]
+
+
+def test_responses_function_call_turns_render_as_chat_tool_turns(client: "openai.OpenAI") -> None:
+    """An earlier call and its output, as Responses input items, reach the
+    model as the chat template's assistant tool call and tool message: the
+    same prompt as the chat conversation, token for token."""
+    args = '{"city": "Paris"}'
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    resp = client.responses.create(model="tiny", input=items, tools=[RESPONSES_WEATHER], tool_choice="none",
+                                   temperature=0.0, max_output_tokens=4)
+    chat = client.chat.completions.create(
+        model="tiny", tools=[WEATHER], tool_choice="none", temperature=0.0, max_tokens=4,
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.output_text == chat.choices[0].message.content
+
+
+def test_responses_text_format_json_schema(client: "openai.OpenAI") -> None:
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}}
+    for seed_text in ("Describe ada.", "Describe bob.", "Someone else."):
+        resp = client.responses.create(model="tiny", input=seed_text, text=fmt, temperature=0.0,
+                                       max_output_tokens=60)
+        if resp.status == "completed":
+            jsonschema.validate(json.loads(resp.output_text), SCHEMA)
+        else:  # cut by the limit: still a prefix the grammar allowed
+            assert resp.output_text.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [RESPONSES_WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tools": [RESPONSES_WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"text": {"format": {"type": "xml"}}}, "text"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
+    ],
+)
+def test_responses_bad_tools_and_formats_are_400_naming_the_field(server: ServeProcess, body: dict,
+                                                                   param: str) -> None:
+    response = requests.post(f"{BASE_URL}/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

@@ -3,9 +3,14 @@ shapes of the official `openai` package (`openai.types.responses`).
 
 The server is stateless: nothing is stored, so `previous_response_id` (and
 `background`) are refused with a 400 naming them, and `store` is ignored.
-Input is text: a string, or message items whose content is a string or
-`input_text` / `output_text` parts. `tools` are refused with a 400 naming
-them until tool calling reaches this route.
+Input is text: a string, or items: messages whose content is a string or
+`input_text` / `output_text` parts, and the function calls of earlier
+turns with their outputs (`function_call`, `function_call_output`), which
+reach the chat template as assistant tool calls and tool messages.
+Function `tools` (the Responses shape: name and parameters at the top of
+the tool) and `tool_choice` mean what they mean on chat completions
+(chat_tools.py); `text.format` json_schema / json_object constrain the
+output as `response_format` does there.
 """
 
 from __future__ import annotations
@@ -16,13 +21,22 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from rayvllm.entrypoints.openai.protocol import OpenAIBaseModel, with_param
+from rayvllm.entrypoints.openai.structured_request import JsonSchemaResponseFormat
+from rayvllm.entrypoints.openai.tool_protocol import (
+    ChatCompletionToolsParam,
+    FunctionDefinition,
+    NamedToolChoice,
+    ToolRequestFields,
+)
 from rayvllm.errors import InvalidParameterError
 from rayvllm.sampling_params import SamplingParams
+from rayvllm.structured_output.params import StructuredOutputsParams
 
 __all__ = [
     "IncompleteDetails",
     "InputTokensDetails",
     "OutputTokensDetails",
+    "ResponseFunctionToolCall",
     "ResponseInputItem",
     "ResponseInputPart",
     "ResponseOutputMessage",
@@ -42,12 +56,17 @@ class ResponseInputPart(OpenAIBaseModel):
 
 
 class ResponseInputItem(OpenAIBaseModel):
-    """An input item; only messages (OpenAI's `EasyInputMessage` and input
-    message items) are supported, the type is checked in `to_messages`."""
+    """An input item: a message (OpenAI's `EasyInputMessage` and input
+    message items), an earlier turn's `function_call` or its
+    `function_call_output`; the type is checked in `to_messages`."""
 
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[ResponseInputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
 
 class ResponsesRequest(OpenAIBaseModel):
@@ -92,22 +111,55 @@ class ResponsesRequest(OpenAIBaseModel):
             raise ValueError("is not supported: this server is stateless and stores no responses")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("is not supported on /v1/responses yet")
-        return value
-
     @field_validator("text")
     @classmethod
     def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         fmt = (value or {}).get("format")
-        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-            raise ValueError(f"format type {fmt.get('type')!r} is not supported; only 'text'")
+        if isinstance(fmt, dict) and fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"format type {fmt.get('type')!r} is not supported; 'text', 'json_object' or "
+                             "'json_schema'")
         return value
 
+    def tool_fields(self) -> ToolRequestFields:
+        """`tools` and `tool_choice` in the chat completions shape, so they
+        mean what they mean there; only function tools exist here."""
+        tools: list[ChatCompletionToolsParam] = []
+        for i, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function":
+                raise InvalidParameterError(f"tools.{i}.type", f"tool type {tool.get('type')!r} is not supported "
+                                            "(function tools only)")
+            try:
+                tools.append(ChatCompletionToolsParam(function=FunctionDefinition.model_validate(tool)))
+            except ValueError as e:
+                raise InvalidParameterError(f"tools.{i}", f"is not a function tool: {e}") from None
+        choice: Any = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise InvalidParameterError("tool_choice", 'must be "none", "auto", "required" or '
+                                            '{"type": "function", "name": ...}')
+            choice = NamedToolChoice(function={"name": choice["name"]})
+        elif choice not in (None, "none", "auto", "required"):
+            raise InvalidParameterError("tool_choice", f'{choice!r} is not "none", "auto" or "required"')
+        return ToolRequestFields(tools=tools or None, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """`text.format` as a grammar: json_schema or json_object; None for text."""
+        fmt = (self.text or {}).get("format")
+        if not isinstance(fmt, dict) or fmt.get("type", "text") == "text":
+            return None
+        if fmt["type"] == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        try:
+            schema = JsonSchemaResponseFormat.model_validate(fmt).json_schema
+        except ValueError as e:
+            raise InvalidParameterError("text.format", f"is not a json_schema format: {e}") from None
+        if schema is None:
+            raise InvalidParameterError("text.format.schema", "a json_schema format needs a schema")
+        return StructuredOutputsParams(json=schema)
+
     def translate_error(self, exc: InvalidParameterError) -> InvalidParameterError:
+        if exc.param.startswith("structured_outputs"):
+            return with_param(exc, "text.format")  # the grammar of text.format failed to build
         return with_param(exc, self._PARAM_NAMES.get(exc.param, exc.param))
 
     def to_sampling_params(self) -> SamplingParams:
@@ -117,14 +169,17 @@ class ResponsesRequest(OpenAIBaseModel):
         if self.top_p is not None:
             kwargs["top_p"] = self.top_p
         try:
+            kwargs["structured_outputs"] = self.structured_outputs_params()
             return SamplingParams(**kwargs)
         except InvalidParameterError as e:
             raise self.translate_error(e) from e
 
-    def to_messages(self) -> list[dict[str, str]]:
+    def to_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: `instructions` as a system
-        message first, a string `input` as one user message."""
-        messages: list[dict[str, str]] = []
+        message first, a string `input` as one user message; consecutive
+        `function_call` items as one assistant message with their tool calls,
+        each `function_call_output` as a tool message."""
+        messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
@@ -133,12 +188,32 @@ class ResponsesRequest(OpenAIBaseModel):
         if not self.input:
             raise InvalidParameterError("input", "must not be empty")
         for i, item in enumerate(self.input):
-            if item.type != "message":
-                raise InvalidParameterError(f"input.{i}.type", f"item type {item.type!r} is not supported (messages only)")
-            if item.role is None:
-                raise InvalidParameterError(f"input.{i}.role", "a message needs a role")
-            messages.append({"role": item.role, "content": _content_text(item.content, i)})
+            if item.type == "message":
+                if item.role is None:
+                    raise InvalidParameterError(f"input.{i}.role", "a message needs a role")
+                messages.append({"role": item.role, "content": _content_text(item.content, i)})
+            elif item.type == "function_call":
+                call = {"id": _required(item.call_id, i, "call_id"), "type": "function",
+                        "function": {"name": _required(item.name, i, "name"),
+                                     "arguments": _required(item.arguments, i, "arguments")}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif item.type == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": _required(item.call_id, i, "call_id"),
+                                 "content": _required(item.output, i, "output")})
+            else:
+                raise InvalidParameterError(f"input.{i}.type", f"item type {item.type!r} is not supported "
+                                            "(message, function_call, function_call_output)")
         return messages
+
+
+def _required(value: str | None, index: int, name: str) -> str:
+    if value is None:
+        raise InvalidParameterError(f"input.{index}.{name}", "is required for this item type")
+    return value
 
 
 def _content_text(content: str | list[ResponseInputPart] | None, index: int) -> str:
@@ -172,6 +247,17 @@ class ResponseOutputMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[ResponseOutputText] = Field(default_factory=list)
+
+
+class ResponseFunctionToolCall(OpenAIBaseModel):
+    """A call of one of the request's function tools; `arguments` is JSON text."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class InputTokensDetails(OpenAIBaseModel):
@@ -209,7 +295,7 @@ class ResponsesResponse(OpenAIBaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     metadata: dict[str, str] | None = None
-    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    output: list[ResponseOutputMessage | ResponseFunctionToolCall] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: None = None
     store: bool = False

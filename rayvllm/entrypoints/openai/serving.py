@@ -439,7 +439,7 @@ class OpenAIServing:
             return params
         if params.structured_outputs is not None:
             raise InvalidParameterError(
-                "tool_choice", f'"{tools.mode}" cannot be combined with another structured output (response_format)'
+                "tool_choice", f'"{tools.mode}" cannot be combined with another structured output (response_format, text.format)'
             )
         return params.clone(structured_outputs=tools.constraint)
 
