@@ -193,6 +193,59 @@ def test_a_health_check_that_outlives_its_core_spares_the_new_one(
     assert tokens == undisturbed[0] and restarts == 1
 
 
+def test_requests_sent_while_the_core_is_replaced_reach_the_new_one(
+    ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """A request admitted, and another aborted, while the loop replaces a
+    dead core (the replacement held on an event): the new one waits for the
+    new core instead of going to the dead one (where it would be lost) or
+    blocking the event loop, then runs exactly; the abort ends its stream."""
+
+    async def main() -> tuple[list[int], list[int], str | None, int]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            client = engine.engine_core
+            real_restart = client.restart
+            entered, proceed = threading.Event(), threading.Event()
+
+            def held_restart(requests: list) -> None:
+                entered.set()
+                proceed.wait()
+                real_restart(requests)
+
+            client.restart = held_restart
+            (victim,) = _alive("SchedulerActor")
+            first: list[int] = []
+
+            async def consume(request_id: str, prompt: list[int], into: list[int]) -> str | None:
+                finish = None
+                async for out in engine.generate({"prompt_token_ids": prompt}, GREEDY, request_id):
+                    into += out.outputs[0].token_ids
+                    finish = out.outputs[0].finish_reason
+                    if request_id == "first" and len(into) >= 5 and not entered.is_set():
+                        os.kill(victim.pid, signal.SIGKILL)
+                return finish
+
+            running = asyncio.create_task(consume("first", PROMPTS[0], first))
+            await asyncio.to_thread(entered.wait)
+            late: list[int] = []
+            arriving = asyncio.create_task(consume("late", PROMPTS[1], late))
+            doomed = asyncio.create_task(consume("doomed", PROMPTS[2], []))
+            await asyncio.sleep(0)  # both are admitted (their first __anext__ ran)
+            await engine.abort("doomed")
+            proceed.set()
+            await asyncio.wait_for(asyncio.gather(running, arriving), timeout=120)
+            return first, late, await asyncio.wait_for(doomed, timeout=120), engine.restarts.total
+        finally:
+            engine.shutdown()
+
+    first, late, doomed_finish, restarts = asyncio.run(main())
+    assert (first, late) == (undisturbed[0], undisturbed[1])
+    assert doomed_finish == "abort" and restarts == 1
+
+
 @pytest.mark.parametrize("victim_name", ["WorkerActor(rank=1)", "SchedulerActor"])
 def test_tensor_parallel_engine_killed_is_rebuilt(
     ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]], victim_name: str

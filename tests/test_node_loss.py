@@ -116,8 +116,9 @@ def test_without_room_requests_wait_until_a_node_returns(
             health: list[str] = []
 
             async def restore() -> None:
-                # Wait for the engine to notice and start waiting for room.
-                while engine.restarts.restarting_since is None:
+                # Wait for the engine to notice, and to have found no room at
+                # least once (so the attempt after that one is exercised too).
+                while engine.restarts.restarting_since is None or not engine.restarts.placement_waits:
                     await asyncio.sleep(0.05)  # polling another thread's state change
                 try:
                     await engine.check_health()

@@ -45,7 +45,10 @@ def _no_delay(conn: Connection) -> None:
 def hang_up(conn: Connection) -> None:
     """Close `conn` so that the peer sees the end at once, even while another
     thread of ours is blocked reading it (a plain close leaves the socket
-    open until that read returns)."""
+    open until that read returns). Hanging up twice is a no-op (a restart
+    that waits for room tries again on a connection it already closed)."""
+    if conn.closed:
+        return
     sock = socket.socket(fileno=conn.fileno())
     try:
         sock.shutdown(socket.SHUT_RDWR)

@@ -31,6 +31,7 @@ from rayvllm.output_processor import OutputProcessor
 from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.processor import Processor, PromptType
+from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.tokenizer import get_tokenizer
 
@@ -124,6 +125,10 @@ class AsyncLLM:
         self._last_stats = 0.0
         self.restarts = CoreRestarts(self.engine_core, self.output_processor)
         self._core_failure: EngineDeadError | None = None
+        # While the loop replaces the core: what was admitted and aborted
+        # meanwhile (after the resumed requests were taken from the table),
+        # for the new core. None when no replacement is underway.
+        self._deferred: tuple[list[EngineCoreRequest], list[str]] | None = None
         self.dead_error: BaseException | None = None
         self._closed = False
 
@@ -182,6 +187,10 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._unprefilled[request_id] = prompt_tokens
         self._unprefilled_tokens += prompt_tokens
+        if self._deferred is not None:
+            self._deferred[0].extend(core_reqs)
+            self._wake()
+            return RequestStream(self, request_id, queue)
         try:
             self.engine_core.add_requests(core_reqs)
         except EngineDeadError as e:
@@ -255,6 +264,9 @@ class AsyncLLM:
         self._abort_in_core(ids)
 
     def _abort_in_core(self, ids: list[str]) -> None:
+        if self._deferred is not None:
+            self._deferred[1].extend(ids)
+            return
         try:
             self.engine_core.abort_requests(ids)
         except EngineDeadError:
@@ -338,7 +350,9 @@ class AsyncLLM:
 
     async def _replace_core(self, failure: EngineDeadError) -> None:
         """Fail the requests `failure` blames, then a new core with every
-        other unfinished request resumed on it (`CoreRestarts`)."""
+        other unfinished request resumed on it (`CoreRestarts`). Requests
+        admitted and aborted meanwhile go to the new core after those (the
+        old one is gone, and the send lock is the replacement's)."""
         for request_id in self.restarts.drop_culprits(failure):
             self._started.discard(request_id)
             self._prefilled(request_id)
@@ -346,10 +360,23 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(RequestFailedError(f"request {request_id} failed: {failure}"))
         requests = self.output_processor.resumable_requests()
-        await asyncio.get_running_loop().run_in_executor(self._thread, self.restarts.replace_core, failure, requests)
+        self._deferred = ([], [])
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._thread, self.restarts.replace_core, failure, requests
+            )
+        finally:
+            (added, aborted), self._deferred = self._deferred, None
         # A failure found meanwhile (a health check) was this one.
         self._core_failure = None
         self.metrics.record_restart()
+        try:
+            if added:
+                self.engine_core.add_requests(added)
+            if aborted:
+                self.engine_core.abort_requests(aborted)
+        except EngineDeadError as e:
+            self._core_failed(e)  # the new core died already: the loop replaces it
 
     def _core_failed(self, failure: EngineDeadError) -> None:
         """The core was found dead outside a step: the loop replaces it."""

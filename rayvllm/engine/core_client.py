@@ -146,6 +146,8 @@ class CoreRestarts:
         # Set by the engine's shutdown: stop waiting for room.
         self.closed = False
         self.last_duration_s: float | None = None
+        # Attempts that found no room for the new core (each then tries again).
+        self.placement_waits = 0
 
     def step_done(self) -> None:
         self.in_a_row = 0
@@ -182,6 +184,7 @@ class CoreRestarts:
                     # placement_group_timeout_s for capacity to come back.
                     if self.closed:
                         raise failure from e
+                    self.placement_waits += 1
                     logger.warning("no room for a new engine core yet (%s); trying again", e)
                 except Exception as e:  # noqa: BLE001 - Ray reports a failed start in many types
                     raise failure from e
