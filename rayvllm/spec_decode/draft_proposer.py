@@ -27,6 +27,7 @@ from rayvllm.errors import InvalidParameterError
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
+from rayvllm.spec_decode.rejection_sampler import target_probs
 from rayvllm.worker.sampler import categorical_inverse_cdf
 
 if TYPE_CHECKING:
@@ -47,9 +48,10 @@ class DraftState:
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """q for a random request's drafts: the draft's softmax at the request's
-    temperature (any q keeps verification exact; a closer one accepts more)."""
-    return torch.softmax(logits.float() / params.temperature, dim=-1)
+    """q for a random request's drafts: the draft model's logits under the
+    request's own sampling rule (any q keeps verification exact; one
+    closer to the target's accepts more)."""
+    return target_probs(logits.float().clone(), params)
 
 
 class DraftModelProposer:

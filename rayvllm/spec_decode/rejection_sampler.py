@@ -55,11 +55,20 @@ class VerifyResult:
     logprobs: list[LogprobsLists | None]
 
 
+def apply_logit_bias_(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=logits.device)
+        logits[:, ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
+    return logits
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The target's sampling distribution for each row of `logits` under
-    `params` (a random request): in place on `logits`, returns float32 probs."""
+    """The sampling distribution of each row of `logits` (float32) under a
+    random request's `params` (logit bias, temperature, min_p, top-k,
+    top-p): in place on `logits`, returns the probs."""
     vocab = logits.shape[-1]
-    x = logits.div_(params.temperature) if params.temperature != 1.0 else logits
+    x = apply_logit_bias_(logits, params)
+    x = x.div_(params.temperature) if params.temperature != 1.0 else x
     if params.min_p > 0.0:
         threshold = x.amax(-1, keepdim=True) + torch.log(torch.tensor(params.min_p))
         x.masked_fill_(x < threshold, float("-inf"))
@@ -145,15 +154,10 @@ class RejectionSampler:
             end = start + len(req.draft_token_ids) + 1
             rows = logits[start:end]
             params = req.sampling_params
-            work = rows.clone()
-            if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=work.device)
-                vals = torch.tensor(list(params.logit_bias.values()), device=work.device)
-                work[:, ids] += vals
             if params.greedy:
-                emitted = _verify_greedy(work, req.draft_token_ids)
+                emitted = _verify_greedy(apply_logit_bias_(rows.clone(), params), req.draft_token_ids)
             else:
-                emitted = _verify_random(target_probs(work, params), req)
+                emitted = _verify_random(target_probs(rows.clone(), params), req)
             tokens.append(emitted)
             logprobs.append(
                 None if params.logprobs is None

@@ -305,16 +305,16 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_blocks(state, block_ids)
             state.num_computed_tokens = num_computed
-        # Drafts are fed after the last token (not appended: most are rejected).
-        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
-            state = batch.requests[req_id]
-            batch.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
         if not self.parallel.is_driver:
             # Tokens the driver sampled since this request was last scheduled.
             for req_id, tokens in zip(cached.req_ids, cached.new_token_ids):
                 state = batch.requests[req_id]
                 for token in tokens:
                     batch.append_token(state, token)
+        # Drafts are fed after the last token (not appended: most are rejected).
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            state = batch.requests[req_id]
+            batch.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
 
     def _plan(self, so: SchedulerOutput) -> _StepPlan:
         requests = self.input_batch.requests
