@@ -11,7 +11,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from rayvllm import LLM, SamplingParams
 from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -22,7 +21,6 @@ from rayvllm.entrypoints.cli import build_parser, engine_args_from
 from rayvllm.errors import InvalidParameterError
 from rayvllm.metrics import EngineMetrics
 from rayvllm.models.random_model import RandomModelSpec, build_random_model
-from rayvllm.models.truncated_draft import build_truncated_draft
 from rayvllm.request import EngineCoreRequest, FinishReason, Request
 
 from hf_oracle import NUM_NEW, hf_greedy
@@ -32,33 +30,6 @@ from hf_oracle import NUM_NEW, hf_greedy
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks_override=17)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
-
-
-def damped_model(base: Path, path: Path, scale: float) -> Path:
-    """`base` with its last layer's residual contributions scaled by
-    `scale`: a 1-layer draft cut from it then agrees with it often, but
-    not always, which is what a test of acceptance and rejection wants."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if (path / "config.json").exists():
-        return path
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    with torch.no_grad():
-        last = model.model.layers[-1]
-        last.self_attn.o_proj.weight.mul_(scale)
-        last.mlp.down_proj.weight.mul_(scale)
-    model.save_pretrained(str(path))
-    AutoTokenizer.from_pretrained(base).save_pretrained(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(target, draft): a 2-layer target and the 1-layer draft cut from it."""
-    root = tmp_path_factory.mktemp("spec-models")
-    base = build_random_model(root / "base", RandomModelSpec(num_hidden_layers=2, seed=31))
-    target = damped_model(base, root / "target", 0.1)
-    return target, build_truncated_draft(target, root / "draft", 1)
 
 
 def repetitive_prompts() -> list[list[int]]:
@@ -107,8 +78,8 @@ def test_ngram_greedy_equals_transformers(tiny_model_dir: Path, async_scheduling
         assert tokens == hf_greedy(tiny_model_dir, prompt)[0]
 
 
-def test_draft_model_greedy_equals_transformers(pair: tuple[Path, Path]) -> None:
-    target, draft = pair
+def test_draft_model_greedy_equals_transformers(draft_pair: tuple[Path, Path]) -> None:
+    target, draft = draft_pair
     prompts = repetitive_prompts()
     got, stats = _run(target, prompts, speculative_config={"model": str(draft), "num_speculative_tokens": 3})
     _assert_speculated(stats)
@@ -118,11 +89,11 @@ def test_draft_model_greedy_equals_transformers(pair: tuple[Path, Path]) -> None
         assert tokens == hf_greedy(target, prompt)[0]
 
 
-def test_stops_max_tokens_and_logprobs_inside_accepted_runs(pair: tuple[Path, Path]) -> None:
+def test_stops_max_tokens_and_logprobs_inside_accepted_runs(draft_pair: tuple[Path, Path]) -> None:
     """A stop id, EOS or max_tokens that lands inside a run of accepted
     drafts ends the request right there, as without speculation; logprobs
     of accepted tokens equal the ordinary ones."""
-    target, draft = pair
+    target, draft = draft_pair
     prompts = repetitive_prompts()[:3]
     plain = LLM(str(target), **ENGINE)
     spec = LLM(str(target), **ENGINE, speculative_config={"model": str(draft), "num_speculative_tokens": 4})
