@@ -27,7 +27,7 @@ from rayvllm.errors import InvalidParameterError
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
-from rayvllm.spec_decode.rejection_sampler import target_probs
+from rayvllm.spec_decode.rejection_sampler import step_generator, target_probs
 from rayvllm.worker.sampler import categorical_inverse_cdf
 
 if TYPE_CHECKING:
@@ -135,7 +135,8 @@ class DraftModelProposer:
             if params.greedy:
                 continue
             q = draft_distribution(logits[i : i + 1], params)
-            gen = state.generator
+            seed = params.seed if state.generator is not None else None
+            gen = step_generator(seed, len(state.output_token_ids), 1 + len(probs[i]), q.device)
             u = torch.rand(1, dtype=torch.float64, generator=gen, device=q.device)
             picked[i] = int(categorical_inverse_cdf(q, u)[0])
             probs[i].append(q[0])

@@ -18,7 +18,7 @@ tokens before it. An n-gram proposer is deterministic: q_j is one-hot, so
 d_j is kept with probability p_j(d_j) and the residual is p_j without d_j.
 
 Random draws: k + 1 float64 uniforms per verification (k acceptance tests,
-one for the final draw), from the request's generator when seeded.
+one for the final draw); a seeded request draws them from `step_generator`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,23 @@ from rayvllm.engine_types import LogprobsLists
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.worker.sampler import argmax_rows, categorical_inverse_cdf, top_k_top_p_candidates
+
+
+def step_generator(seed: int | None, num_output_tokens: int, purpose: int, device: torch.device) -> torch.Generator | None:
+    """A seeded request's generator for one speculative step's draws
+    (`purpose` 0: verification, 1 + j: draft j), keyed by its output length.
+
+    Not the request's own stream: a step emits a varying number of tokens,
+    so after a preemption that stream, advanced one draw per token, would
+    hand out draws already spent on the tokens before, and correlate them
+    with what follows. Keys never repeat: every step starts at a new output
+    length, before a preemption as after it. None for unseeded requests
+    (the global generator)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(hash((seed, num_output_tokens, purpose)) & ((1 << 63) - 1))
+    return generator
 
 
 @dataclass
@@ -99,16 +116,19 @@ def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -
 
 
 def _draw(weights: torch.Tensor, u: float) -> int:
-    return int(categorical_inverse_cdf(weights.unsqueeze(0), torch.tensor([u], dtype=torch.float64))[0])
+    uniform = torch.tensor([u], dtype=torch.float64, device=weights.device)
+    return int(categorical_inverse_cdf(weights.unsqueeze(0), uniform)[0])
 
 
 def _verify_random(probs: torch.Tensor, req: VerifyRequest) -> list[int]:
     drafts = req.draft_token_ids
     k = len(drafts)
     u = _uniforms(k + 1, req.generator, probs.device)
-    p_drafts = probs[torch.arange(k), torch.tensor(drafts)].tolist()
+    rows = torch.arange(k, device=probs.device)
+    cols = torch.tensor(drafts, device=probs.device)
+    p_drafts = probs[rows, cols].tolist()
     q = req.draft_probs
-    q_drafts = [1.0] * k if q is None else q[torch.arange(k), torch.tensor(drafts)].tolist()
+    q_drafts = [1.0] * k if q is None else q[rows, cols].tolist()
     out: list[int] = []
     for j, token in enumerate(drafts):
         # u < p / q without dividing: q > 0 for a drawn draft.

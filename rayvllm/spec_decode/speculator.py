@@ -14,7 +14,7 @@ from rayvllm.engine_types import SpecDecodeOutput
 from rayvllm.spec_decode.draft_proposer import DraftModelProposer
 from rayvllm.spec_decode.eligibility import can_speculate, past_min_tokens
 from rayvllm.spec_decode.ngram_proposer import NgramProposer
-from rayvllm.spec_decode.rejection_sampler import RejectionSampler, VerifyRequest
+from rayvllm.spec_decode.rejection_sampler import RejectionSampler, VerifyRequest, step_generator
 
 if TYPE_CHECKING:
     from rayvllm.worker.input_batch import CachedRequestState
@@ -46,7 +46,10 @@ class Speculator:
                 VerifyRequest(
                     s.sampling_params,
                     drafts[s.req_id],
-                    s.generator,
+                    step_generator(
+                        s.sampling_params.seed if s.generator is not None else None,
+                        len(s.output_token_ids), 0, self.runner.device,
+                    ),
                     self.drafter.draft_probs(s, len(drafts[s.req_id])) if self.drafter is not None else None,
                 )
                 for s in verify_states

@@ -164,7 +164,8 @@ class Scheduler:
             num_spec = self._num_spec_to_schedule(request, num_new, budget) if request.spec_token_ids else 0
             num_new += num_spec
             while True:
-                blocks = kv.allocate_slots(request, num_new + self._lookahead(request, num_new))
+                lookahead = self._lookahead(request, num_new) if self.num_lookahead_tokens else 0
+                blocks = kv.allocate_slots(request, num_new + lookahead)
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -205,7 +206,8 @@ class Scheduler:
             # Advance now: later decisions in this step (siblings waiting on a
             # prompt) and the next schedule() see these tokens as in flight.
             request.num_computed_tokens += n
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []  # scheduled or stale: the next output brings fresh ones
             self._add_placeholder_if_sampling(request)
 
         # Then waiting requests, unless this step had to preempt (no room).
@@ -219,7 +221,8 @@ class Scheduler:
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
-                lookahead = self._lookahead(request, num_hit + num_new)  # computed: 0 while waiting
+                # Computed tokens are 0 while waiting.
+                lookahead = self._lookahead(request, num_hit + num_new) if self.num_lookahead_tokens else 0
                 blocks = kv.allocate_slots(request, num_new + lookahead, hit_blocks, num_hit)
                 if blocks is None:
                     break
@@ -278,8 +281,6 @@ class Scheduler:
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots past `num_new` scheduled tokens that a draft model writes
         while proposing, within max_model_len."""
-        if not self.num_lookahead_tokens:
-            return 0
         room = self.max_model_len - request.num_computed_tokens - num_new
         return max(0, min(self.num_lookahead_tokens, room))
 
@@ -376,11 +377,7 @@ class Scheduler:
                 first_scheduled_time=request.first_scheduled_time if request.num_output_tokens == 1 else None,
             )
             if status is not None:
-                request.stop_reason = stop_reason
-                out.finish_reason = status.finish_reason
-                out.stop_reason = stop_reason
-                self.running.remove(request)
-                self._free_request(request, status)
+                self._finish_with(request, out, status, stop_reason)
             outputs.append(out)
             emitted.add(req_id)
         if runner_output.spec_decode is not None:
@@ -443,17 +440,22 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
             )
             if status is not None:
-                request.stop_reason = stop_reason
-                out.finish_reason = status.finish_reason
-                out.stop_reason = stop_reason
-                self.running.remove(request)
-                self._free_request(request, status)
+                self._finish_with(request, out, status, stop_reason)
             outputs.append(out)
             emitted.add(req_id)
         for req_id, drafts in spec.draft_token_ids.items():
             request = self.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING and not request.num_output_placeholders:
                 request.spec_token_ids = drafts
+
+    def _finish_with(
+        self, request: Request, out: EngineCoreOutput, status: RequestStatus, stop_reason: int | None
+    ) -> None:
+        request.stop_reason = stop_reason
+        out.finish_reason = status.finish_reason
+        out.stop_reason = stop_reason
+        self.running.remove(request)
+        self._free_request(request, status)
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
