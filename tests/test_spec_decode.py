@@ -19,6 +19,7 @@ from rayvllm.engine_args import EngineArgs
 from rayvllm.engine_types import ModelRunnerOutput, SchedulerStats, SpecDecodeOutput, SpecDecodingStats, PrefixCacheStats
 from rayvllm.entrypoints.cli import build_parser, engine_args_from
 from rayvllm.errors import InvalidParameterError
+from rayvllm.kernels import cpu_attention
 from rayvllm.metrics import EngineMetrics
 from rayvllm.models.random_model import RandomModelSpec, build_random_model
 from rayvllm.request import EngineCoreRequest, FinishReason, Request
@@ -69,8 +70,16 @@ def _assert_speculated(stats: SchedulerStats) -> None:
     assert stats.prefix_cache_stats.hits > 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_ngram_greedy_equals_transformers(tiny_model_dir: Path, async_scheduling: bool) -> None:
+@pytest.mark.parametrize(
+    "async_scheduling,c_decode", [(False, True), (True, True), (False, False)], ids=["sync", "async", "torch-decode"]
+)
+def test_ngram_greedy_equals_transformers(
+    tiny_model_dir: Path, async_scheduling: bool, c_decode: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts are verified as decode rows: by the C kernel, or (without it)
+    by the torch reference's gathered index and mask."""
+    if not c_decode:
+        monkeypatch.setattr(cpu_attention, "supports", lambda *_: False)
     prompts = repetitive_prompts()
     got, stats = _run(tiny_model_dir, prompts, speculative_config=NGRAM, async_scheduling=async_scheduling)
     _assert_speculated(stats)

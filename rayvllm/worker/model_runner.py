@@ -51,7 +51,9 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 
 @dataclass
 class _StepPlan:
-    """Flat-batch layout of one step: requests in batch order (decodes first)."""
+    """Flat-batch layout of one step: requests in batch order (decodes first;
+    on the torch backend a verifying request counts as decodes, one
+    single-query row per token)."""
 
     states: list[CachedRequestState]
     q_lens: np.ndarray
@@ -320,8 +322,11 @@ class ModelRunner:
         requests = self.input_batch.requests
         decodes: list[CachedRequestState] = []
         prefills: list[CachedRequestState] = []
+        # Drafts attend like decodes (each to the positions up to its own),
+        # so the decode kernel serves them without gathering the context.
+        verify = so.scheduled_spec_decode_tokens if not self.attn_backend.uses_varlen_metadata else {}
         for req_id, n in so.num_scheduled_tokens.items():
-            (decodes if n == 1 else prefills).append(requests[req_id])
+            (decodes if n == 1 or req_id in verify else prefills).append(requests[req_id])
         states = decodes + prefills
         q_lens = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), np.int64, len(states))
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
@@ -355,7 +360,7 @@ class ModelRunner:
                 ),
             )
         else:
-            metadata = self._torch_metadata(plan, rows, slots)
+            metadata = self._torch_metadata(plan, rows, positions, slots)
         return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
 
     @staticmethod
@@ -374,21 +379,28 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
 
-    def _torch_metadata(self, plan: _StepPlan, rows: np.ndarray, slots: np.ndarray) -> AttentionMetadata:
+    def _torch_metadata(
+        self, plan: _StepPlan, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray
+    ) -> AttentionMetadata:
         batch = self.input_batch
         bs = self.block_size
         nd = plan.num_decodes
+        nd_tokens = int(plan.cu_q[nd])
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots), num_decode_tokens=nd, prefills=[]
+            slot_mapping=torch.from_numpy(slots), num_decode_tokens=nd_tokens, prefills=[]
         )
+        # Per decode row: its request's block-table row and context length.
+        if nd_tokens == nd:
+            seq_rows, seq_lens = rows[:nd], plan.starts[:nd] + 1
+        else:
+            seq_rows, seq_lens = np.repeat(rows[:nd], plan.q_lens[:nd]), positions[:nd_tokens] + 1
         if nd and self.use_c_decode:
             metadata.block_tables = self.block_table_tensor
-            metadata.decode_seq_rows = torch.from_numpy(rows[:nd])
-            metadata.decode_ctx_lens = torch.from_numpy(plan.starts[:nd] + 1)
+            metadata.decode_seq_rows = torch.from_numpy(seq_rows)
+            metadata.decode_ctx_lens = torch.from_numpy(seq_lens)
         elif nd:
-            seq_lens = plan.starts[:nd] + 1
             pos = np.arange(int(seq_lens.max()))
-            kv_index = batch.block_table[rows[:nd, None], pos[None, :] // bs] * bs + pos % bs
+            kv_index = batch.block_table[seq_rows[:, None], pos[None, :] // bs] * bs + pos % bs
             metadata.decode_kv_index = torch.from_numpy(kv_index)
             metadata.decode_mask = torch.from_numpy(pos[None, :] < seq_lens[:, None])[:, None, None, :]
         for i in range(nd, len(plan.states)):
