@@ -14,6 +14,7 @@ import pytest
 
 from rayvllm import LLM, SamplingParams
 from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from rayvllm.core.kv_cache_utils import hash_block_tokens
 from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine_args import EngineArgs
 from rayvllm.engine_types import ModelRunnerOutput, SchedulerStats, SpecDecodeOutput, SpecDecodingStats, PrefixCacheStats
@@ -189,6 +190,24 @@ def test_scheduler_budgets_drafts_and_takes_back_rejected_ones() -> None:
     assert request.num_computed_tokens == 8 and request.num_tokens == 9
     stats = sched.make_stats().spec_decoding_stats
     assert stats == SpecDecodingStats(3, 1, 3, 1, [1, 0, 0])
+
+
+def test_prefix_cache_hashes_only_accepted_tokens() -> None:
+    """Drafts fill block 1 (positions 4..7) before they are verified; it is
+    hashed only once its tokens are known, with the accepted ones."""
+    sched = _scheduler()
+    request = _decoding(sched)  # 6 prompt tokens + 50: positions 0..6
+    kv = sched.kv_cache_manager
+    so = sched.schedule()  # 50 at position 6, drafts 51, 52, 53 at 7..9
+    assert kv.num_cached_blocks["r"] == 1
+    sched.update_from_output(
+        so, ModelRunnerOutput([], [], None, {}, spec_decode=SpecDecodeOutput(token_ids={"r": [60]}))
+    )
+    sched.schedule()
+    assert kv.num_cached_blocks["r"] == 2
+    block_1 = kv.req_to_blocks["r"][1]
+    assert request.all_token_ids[4:8] == [9, 10, 50, 60]
+    assert block_1.block_hash == hash_block_tokens(kv.req_to_block_hashes["r"][0], [9, 10, 50, 60], None)
 
 
 def test_scheduler_trims_drafts_to_budget_and_max_tokens() -> None:
