@@ -93,6 +93,9 @@ def test_greedy_rows_keep_drafts_up_to_the_first_disagreement() -> None:
     assert sampler(logits, [VerifyRequest(greedy, [1, 0], None)]).token_ids == [[1, 0, 2]]
     assert sampler(logits, [VerifyRequest(greedy, [1, 2], None)]).token_ids == [[1, 0]]
     assert sampler(logits, [VerifyRequest(greedy, [2, 0], None)]).token_ids == [[1]]
+    biased = SamplingParams(temperature=0.0, logit_bias={2: 5.0})
+    both = sampler(logits.repeat(2, 1)[:5], [VerifyRequest(greedy, [1, 0], None), VerifyRequest(biased, [2], None)])
+    assert both.token_ids == [[1, 0, 2], [2, 2]]
 
 
 REQUESTS = 400

@@ -149,8 +149,8 @@ def _verify_random(probs: torch.Tensor, req: VerifyRequest) -> list[int]:
     return out
 
 
-def _verify_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    target = argmax_rows(logits).tolist()
+def _verify_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """`target`: the argmax of each of the request's k + 1 rows."""
     out: list[int] = []
     for j, token in enumerate(drafts):
         out.append(target[j])
@@ -169,13 +169,19 @@ class RejectionSampler:
             logits = logits.float()
         tokens: list[list[int]] = []
         logprobs: list[LogprobsLists | None] = []
+        # One argmax over every row serves the greedy requests without a bias.
+        plain_greedy = [r.sampling_params.greedy and not r.sampling_params.logit_bias for r in requests]
+        argmax = argmax_rows(logits).tolist() if any(plain_greedy) else []
         start = 0
-        for req in requests:
+        for req, plain in zip(requests, plain_greedy):
             end = start + len(req.draft_token_ids) + 1
             rows = logits[start:end]
             params = req.sampling_params
-            if params.greedy:
-                emitted = _verify_greedy(apply_logit_bias_(rows.clone(), params), req.draft_token_ids)
+            if plain:
+                emitted = _verify_greedy(argmax[start:end], req.draft_token_ids)
+            elif params.greedy:
+                biased = argmax_rows(apply_logit_bias_(rows.clone(), params)).tolist()
+                emitted = _verify_greedy(biased, req.draft_token_ids)
             else:
                 emitted = _verify_random(target_probs(rows.clone(), params), req)
             tokens.append(emitted)
