@@ -52,8 +52,9 @@ class VarlenMetadata:
 @dataclass
 class AttentionMetadata:
     """Invariants: the first `num_decode_tokens` tokens of the flat batch are
-    decodes, one query per sequence, in the order of `decode_kv_index` rows;
-    prefills follow. `slot_mapping[t]` is the flat cache slot token t is
+    decodes, one query per row of `decode_kv_index` (or `decode_seq_rows`),
+    each attending to its context length; a sequence verifying drafts has
+    one such row per token. Prefills follow. `slot_mapping[t]` is the flat cache slot token t is
     written to (-1: do not write)."""
 
     slot_mapping: torch.Tensor  # [T] int64

@@ -260,6 +260,93 @@ class ParallelConfig:
         return self.distributed_executor_backend == "ray" or self.world_size > 1 or self.data_parallel_size > 1
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: `method` "ngram" (prompt lookup over the
+    request's own tokens: the longest suffix n-gram, n from
+    `prompt_lookup_max` down to `prompt_lookup_min`, found earlier in the
+    sequence proposes what followed it) or "draft_model" (`model`, a smaller
+    model with the target's vocabulary, run by the same worker). Each step
+    verifies up to `num_speculative_tokens` drafts per request. As in vLLM,
+    a `model` without `method` means "draft_model", and a missing lookup
+    bound takes the other's value (both 5 when neither is given)."""
+
+    num_speculative_tokens: int
+    method: str = "draft_model"
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    @classmethod
+    def from_user(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From a dict or its JSON text (a command line's form); unknown
+        keys are an error naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidParameterError("speculative_config", f"not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise InvalidParameterError(
+                "speculative_config", 'must be an object such as {"method": "ngram", "num_speculative_tokens": 3}'
+            )
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise InvalidParameterError(
+                "speculative_config", f"unknown keys {unknown}; expected {sorted(cls.__dataclass_fields__)}"
+            )
+        if "num_speculative_tokens" not in value:
+            raise InvalidParameterError("speculative_config.num_speculative_tokens", "is required")
+        given = dict(value)
+        if given.get("method") is None:
+            given["method"] = "draft_model" if given.get("model") else "ngram"
+        return cls(**given)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> InvalidParameterError:
+            return InvalidParameterError(f"speculative_config.{name}", msg)
+
+        if self.method not in SPEC_METHODS:
+            raise bad("method", f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise bad("num_speculative_tokens", f"must be an integer >= 1, got {k!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise bad("model", "is required for method 'draft_model' (a model directory)")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise bad("prompt_lookup_max", "applies to method 'ngram' only")
+            return
+        if self.model is not None:
+            raise bad("model", "applies to method 'draft_model' only")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise bad(name, f"must be an integer >= 1, got {n!r}")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:  # type: ignore[operator]
+            raise bad(
+                "prompt_lookup_min",
+                f"({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})",
+            )
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past a request's scheduled tokens that proposing writes:
+        a draft model caches its own drafts' KV (all but the last)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -271,6 +358,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Never capture CUDA graphs (the CPU is always eager).
     enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

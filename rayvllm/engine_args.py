@@ -22,6 +22,7 @@ from rayvllm.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     is_pooling_only,
     read_hf_config,
 )
@@ -74,6 +75,10 @@ class EngineArgs(BaseModel):
     task: str | None = None
     pooler_config: str | dict[str, Any] | None = None
     override_pooler_config: str | dict[str, Any] | None = None
+    # vLLM's speculative decoding config (a dict, or its JSON text from a
+    # command line): {"method": "ngram", "num_speculative_tokens": k, ...}
+    # or {"method": "draft_model", "model": path, ...}; see SpeculativeConfig.
+    speculative_config: str | dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
@@ -200,7 +205,27 @@ class EngineArgs(BaseModel):
             max_logprobs=self.max_logprobs,
             attention_backend=self.resolve_attention_backend(),
             enforce_eager=self.enforce_eager,
+            speculative_config=self.create_speculative_config(model_config),
         )
+
+    def create_speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:
+        """The checked speculative config; a draft model must share the
+        target's vocabulary (its tokens are the target's)."""
+        spec = SpeculativeConfig.from_user(self.speculative_config)
+        if spec is None:
+            return None
+        if model_config.is_pooling:
+            raise InvalidParameterError("speculative_config", "applies to generating models, not runner='pooling'")
+        if spec.model is not None:
+            if not (Path(spec.model) / "config.json").exists():
+                raise InvalidParameterError("speculative_config.model", f"no config.json in {spec.model!r}")
+            draft_vocab = read_hf_config(spec.model).get("vocab_size")
+            if draft_vocab != model_config.vocab_size:
+                raise InvalidParameterError(
+                    "speculative_config.model",
+                    f"vocab_size {draft_vocab} differs from the target model's {model_config.vocab_size}",
+                )
+        return spec
 
 
 _TASKS = (None, "auto", "generate", "embed", "embedding")

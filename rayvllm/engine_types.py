@@ -45,6 +45,19 @@ class LogprobsLists:
 
 
 @dataclass
+class SpecDecodeOutput:
+    """A step's speculative-decoding results. `token_ids[r]`: what request r,
+    which verified drafts this step, emits (the accepted drafts, then the
+    target's own next token: 1 to k+1 tokens), with `logprobs[r]` one row
+    per token when it asked; such a request is absent from the step's
+    `req_ids`. `draft_token_ids[r]`: drafts proposed for r's next step."""
+
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class ModelRunnerOutput:
     """Invariant: `sampled_token_ids[i]` belongs to `req_ids[i]`, one token per
     request whose scheduled tokens reached the end of its sequence; requests in
@@ -59,6 +72,7 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None
     prompt_logprobs: dict[str, LogprobsLists]
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    spec_decode: SpecDecodeOutput | None = None
 
 
 @dataclass
@@ -144,6 +158,43 @@ class PrefixCacheStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Cumulative speculative-decoding counts of a scheduler (vLLM's
+    names): requests' verification steps (`num_drafts`), drafts verified,
+    drafts accepted, and accepted drafts per draft position."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    def copy(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(
+            self.num_spec_tokens, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
+
+    def add(self, other: "SpecDecodingStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for pos, n in enumerate(other.num_accepted_tokens_per_pos):
+            self.num_accepted_tokens_per_pos[pos] += n
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
@@ -152,20 +203,27 @@ class SchedulerStats:
     num_preemptions: int
     # DP ranks whose dead worker group the core rebuilt (cumulative).
     num_rank_rebuilds: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None
 
     @classmethod
     def combine(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":
         """Totals over data-parallel ranks; KV usage is the mean (the ranks'
         pools are the same size)."""
         prefix = PrefixCacheStats()
+        spec = None
         for s in per_rank:
             prefix.add(s.prefix_cache_stats)
+            if s.spec_decoding_stats is not None:
+                if spec is None:
+                    spec = SpecDecodingStats(s.spec_decoding_stats.num_spec_tokens)
+                spec.add(s.spec_decoding_stats)
         return cls(
             num_running_reqs=sum(s.num_running_reqs for s in per_rank),
             num_waiting_reqs=sum(s.num_waiting_reqs for s in per_rank),
             kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
             prefix_cache_stats=prefix,
             num_preemptions=sum(s.num_preemptions for s in per_rank),
+            spec_decoding_stats=spec,
         )
 
 

@@ -14,7 +14,8 @@ Three feeds update it, each from the engine side that knows the numbers:
 - `record_tokens(num_prompt, num_generation)`: once per engine step: token
   throughput counters.
 - `record_scheduler_stats(stats)`: whenever the engine reads
-  `SchedulerStats`: the gauges, and the preemption and prefix-cache counters.
+  `SchedulerStats`: the gauges, and the preemption, prefix-cache and
+  speculative-decoding counters (the last only with `num_speculative_tokens`).
 
 `render()` gives the text exposition for a `/metrics` endpoint.
 """
@@ -36,7 +37,7 @@ from prometheus_client import (
 if TYPE_CHECKING:
     # Types only: the engine imports this module, and the scheduler module
     # imports engine code, so a runtime import could close a cycle.
-    from rayvllm.engine_types import SchedulerStats
+    from rayvllm.engine_types import SchedulerStats, SpecDecodingStats
     from rayvllm.outputs import PoolingRequestOutput, RequestOutput
 
 __all__ = [
@@ -101,8 +102,12 @@ class EngineMetrics:
       cumulative preemption count into increments and survives its reset.
     """
 
-    def __init__(self, model_name: str, *, max_model_len: int = _DEFAULT_MAX_MODEL_LEN) -> None:
-        """`max_model_len` only sizes the prompt/generation length buckets."""
+    def __init__(
+        self, model_name: str, *, max_model_len: int = _DEFAULT_MAX_MODEL_LEN, num_speculative_tokens: int = 0
+    ) -> None:
+        """`max_model_len` only sizes the prompt/generation length buckets;
+        `num_speculative_tokens` > 0 (speculative decoding on) adds the
+        `spec_decode_*` counters, one acceptance series per draft position."""
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         self.model_name = model_name
@@ -113,6 +118,7 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self._last_num_preemptions = 0
         self._last_num_rank_rebuilds = 0
+        self._last_spec: SpecDecodingStats | None = None
 
         labels = ("model_name",)
         reg = self._registry
@@ -187,6 +193,21 @@ class EngineMetrics:
             registry=reg,
         )
         self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._spec_counters: list[Counter] = []
+        self._spec_per_pos: list[Counter] = []
+        if num_speculative_tokens > 0:
+            self._spec_counters = [
+                counter("rayvllm:spec_decode_num_drafts", "Verification steps of requests with drafts."),
+                counter("rayvllm:spec_decode_num_draft_tokens", "Draft tokens verified."),
+                counter("rayvllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+            ]
+            per_pos = Counter(
+                "rayvllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft (0 = first).",
+                ("model_name", "position"),
+                registry=reg,
+            )
+            self._spec_per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)]
 
     # ------------------------------------------------------------ per request
 
@@ -284,6 +305,8 @@ class EngineMetrics:
           predecessor's count on.
         - `num_rank_rebuilds` is CUMULATIVE in the same way (an engine
           restart starts it from 0 again).
+        - `spec_decoding_stats` is CUMULATIVE in the same way, field by
+          field (a restarted engine or rebuilt DP rank counts from 0).
         - `prefix_cache_stats` is PER INTERVAL: `make_prefix_cache_stats`
           hands out the counts since its previous call and restarts them
           at 0, so `queries` and `hits` (tokens) are added as they are.
@@ -306,8 +329,19 @@ class EngineMetrics:
             rebuilds = stats.num_rank_rebuilds
             rebuilt = rebuilds - self._last_num_rank_rebuilds if rebuilds >= self._last_num_rank_rebuilds else rebuilds
             self._last_num_rank_rebuilds = rebuilds
+            spec = stats.spec_decoding_stats
+            spec_increase = None
+            if spec is not None and self._spec_counters:
+                spec_increase = _spec_increase(spec, self._last_spec)
+                self._last_spec = spec
         self._preemptions.inc(increase)
         self._rank_rebuilds.inc(rebuilt)
+        if spec_increase is not None:
+            totals, per_pos = spec_increase
+            for metric, n in zip(self._spec_counters, totals):
+                metric.inc(n)
+            for metric, n in zip(self._spec_per_pos, per_pos):
+                metric.inc(n)
 
     # --------------------------------------------------------------- export
 
@@ -315,3 +349,19 @@ class EngineMetrics:
         """The Prometheus text exposition of this instance's metrics, and
         the HTTP Content-Type to send it with."""
         return generate_latest(self._registry), CONTENT_TYPE_LATEST
+
+
+def _spec_increase(
+    current: SpecDecodingStats, last: SpecDecodingStats | None
+) -> tuple[list[int], list[int]]:
+    """Increases of the cumulative counts since `last` (totals: drafts, draft
+    tokens, accepted tokens; then per position); a drop means a reset."""
+    now = [current.num_drafts, current.num_draft_tokens, current.num_accepted_tokens]
+    before = [0, 0, 0] if last is None else [last.num_drafts, last.num_draft_tokens, last.num_accepted_tokens]
+    before_pos = [0] * len(current.num_accepted_tokens_per_pos) if last is None else last.num_accepted_tokens_per_pos
+    if any(n < b for n, b in zip(now, before)):
+        before, before_pos = [0, 0, 0], [0] * len(current.num_accepted_tokens_per_pos)
+    return (
+        [n - b for n, b in zip(now, before)],
+        [n - b for n, b in zip(current.num_accepted_tokens_per_pos, before_pos)],
+    )

@@ -107,6 +107,8 @@ class Request:
         self.num_output_tokens_sent = 0
         self.num_inflight_steps = 0
         self.num_output_placeholders = 0
+        # Drafts the worker proposed for this request's next step.
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         assert core_req.sampling_params.max_tokens is not None

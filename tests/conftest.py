@@ -54,3 +54,33 @@ def no_ray_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(fake.parent), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def _damped_model(base: Path, path: Path, scale: float) -> Path:
+    """`base` with its last layer's residual contributions scaled by
+    `scale`: a draft cut from its other layers then agrees with it often,
+    but not always, which is what a test of acceptance and rejection wants."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        last = model.model.layers[-1]
+        last.self_attn.o_proj.weight.mul_(scale)
+        last.mlp.down_proj.weight.mul_(scale)
+    model.save_pretrained(str(path))
+    AutoTokenizer.from_pretrained(base).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def draft_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(target, draft) for speculative decoding: a 2-layer random Llama
+    (its second layer damped) and the 1-layer draft cut from it, sharing
+    the tokenizer. Treat both as read-only."""
+    from rayvllm.models.random_model import RandomModelSpec, build_random_model
+    from rayvllm.models.truncated_draft import build_truncated_draft
+
+    root = tmp_path_factory.mktemp("spec_models")
+    base = build_random_model(root / "base", RandomModelSpec(num_hidden_layers=2, seed=31))
+    target = _damped_model(base, root / "target", 0.1)
+    return target, build_truncated_draft(target, root / "draft", 1)

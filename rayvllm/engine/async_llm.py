@@ -107,7 +107,12 @@ class AsyncLLM:
             max_n=config.scheduler_config.max_num_seqs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.served_model_name, max_model_len=config.model_config.max_model_len)
+        spec = config.speculative_config
+        self.metrics = EngineMetrics(
+            self.served_model_name,
+            max_model_len=config.model_config.max_model_len,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        )
         self.max_pending_requests = max_pending_requests
         self.max_pending_prompt_tokens = max_pending_prompt_tokens
         # Prompt tokens per admitted user request with no output yet, and their sum.

@@ -114,6 +114,7 @@ class EngineCore:
             send_token_ids=pc.world_size > 1,
             max_inflight_steps=self.max_inflight,
             listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
+            speculative_config=self.config.speculative_config,
         )
 
     @property

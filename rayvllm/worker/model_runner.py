@@ -14,6 +14,7 @@ samples randomly or uses penalties, biases or logprobs (pageable copies).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ from rayvllm.distributed.parallel_state import (
     recv_from_prev_stage,
     send_to_next_stage,
 )
-from rayvllm.engine_types import LogprobsLists, ModelRunnerOutput
+from rayvllm.engine_types import LogprobsLists, ModelRunnerOutput, SpecDecodeOutput
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
@@ -35,6 +36,7 @@ from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetada
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
+from rayvllm.spec_decode.speculator import Speculator
 from rayvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from rayvllm.worker.gpu_memory import kv_cache_budget, profile_memory
 from rayvllm.worker.input_batch import CachedRequestState, InputBatch
@@ -42,14 +44,16 @@ from rayvllm.worker.pooler import Pooler
 from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.worker.sampler import Sampler
 from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata
-from rayvllm.worker.structured_outputs import StructuredOutputManager
+from rayvllm.worker.structured_outputs import GrammarBitmask, StructuredOutputManager
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
 @dataclass
 class _StepPlan:
-    """Flat-batch layout of one step: requests in batch order (decodes first)."""
+    """Flat-batch layout of one step: requests in batch order (decodes first;
+    on the torch backend a verifying request counts as decodes, one
+    single-query row per token)."""
 
     states: list[CachedRequestState]
     q_lens: np.ndarray
@@ -97,6 +101,9 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        # Speculative decoding happens where tokens are sampled.
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self) if spec is not None and self.parallel.is_driver else None
 
     # ---- setup -------------------------------------------------------------------
 
@@ -113,14 +120,23 @@ class ModelRunner:
             fused_kv_write=self.attn_backend.fused_cpu_kv_write,
             with_lm_head=self.pooler is None,
         )
+        if self.speculator is not None and self.speculator.drafter is not None:
+            self.speculator.drafter.load_model()
+
+    def _kv_models(self) -> list[LlamaForCausalLM]:
+        """Models whose KV this rank caches: the target, and a draft model
+        (in the same blocks, see spec_decode/draft_proposer.py)."""
+        assert self.model is not None
+        drafter = self.speculator.drafter if self.speculator is not None else None
+        return [self.model] if drafter is None or drafter.model is None else [self.model, drafter.model]
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block across this rank's layers and KV heads."""
-        assert self.model is not None
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return sum(
             2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
-            for layer in self.model.attention_layers()
+            for model in self._kv_models()
+            for layer in model.attention_layers()
         )
 
     def determine_num_blocks(self) -> int:
@@ -160,11 +176,10 @@ class ModelRunner:
         release_thread_team()
 
     def _bind_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        assert self.model is not None
         caches = []
         # Zeroed, not empty: padded decode rows read unused slots, and NaN
         # garbage there would survive the mask as 0 * NaN.
-        for layer in self.model.attention_layers():
+        for layer in (layer for model in self._kv_models() for layer in model.attention_layers()):
             k_shape, v_shape = self.attn_backend.kv_cache_shapes(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
             )
@@ -298,13 +313,20 @@ class ModelRunner:
                 state = batch.requests[req_id]
                 for token in tokens:
                     batch.append_token(state, token)
+        # Drafts are fed after the last token (not appended: most are rejected).
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            state = batch.requests[req_id]
+            batch.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
 
     def _plan(self, so: SchedulerOutput) -> _StepPlan:
         requests = self.input_batch.requests
         decodes: list[CachedRequestState] = []
         prefills: list[CachedRequestState] = []
+        # Drafts attend like decodes (each to the positions up to its own),
+        # so the decode kernel serves them without gathering the context.
+        verify = so.scheduled_spec_decode_tokens if not self.attn_backend.uses_varlen_metadata else {}
         for req_id, n in so.num_scheduled_tokens.items():
-            (decodes if n == 1 else prefills).append(requests[req_id])
+            (decodes if n == 1 or req_id in verify else prefills).append(requests[req_id])
         states = decodes + prefills
         q_lens = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), np.int64, len(states))
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
@@ -338,7 +360,7 @@ class ModelRunner:
                 ),
             )
         else:
-            metadata = self._torch_metadata(plan, rows, slots)
+            metadata = self._torch_metadata(plan, rows, positions, slots)
         return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
 
     @staticmethod
@@ -357,21 +379,28 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
 
-    def _torch_metadata(self, plan: _StepPlan, rows: np.ndarray, slots: np.ndarray) -> AttentionMetadata:
+    def _torch_metadata(
+        self, plan: _StepPlan, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray
+    ) -> AttentionMetadata:
         batch = self.input_batch
         bs = self.block_size
         nd = plan.num_decodes
+        nd_tokens = int(plan.cu_q[nd])
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots), num_decode_tokens=nd, prefills=[]
+            slot_mapping=torch.from_numpy(slots), num_decode_tokens=nd_tokens, prefills=[]
         )
+        # Per decode row: its request's block-table row and context length.
+        if nd_tokens == nd:
+            seq_rows, seq_lens = rows[:nd], plan.starts[:nd] + 1
+        else:
+            seq_rows, seq_lens = np.repeat(rows[:nd], plan.q_lens[:nd]), positions[:nd_tokens] + 1
         if nd and self.use_c_decode:
             metadata.block_tables = self.block_table_tensor
-            metadata.decode_seq_rows = torch.from_numpy(rows[:nd])
-            metadata.decode_ctx_lens = torch.from_numpy(plan.starts[:nd] + 1)
+            metadata.decode_seq_rows = torch.from_numpy(seq_rows)
+            metadata.decode_ctx_lens = torch.from_numpy(seq_lens)
         elif nd:
-            seq_lens = plan.starts[:nd] + 1
             pos = np.arange(int(seq_lens.max()))
-            kv_index = batch.block_table[rows[:nd, None], pos[None, :] // bs] * bs + pos % bs
+            kv_index = batch.block_table[seq_rows[:, None], pos[None, :] // bs] * bs + pos % bs
             metadata.decode_kv_index = torch.from_numpy(kv_index)
             metadata.decode_mask = torch.from_numpy(pos[None, :] < seq_lens[:, None])[:, None, None, :]
         for i in range(nd, len(plan.states)):
@@ -397,6 +426,12 @@ class ModelRunner:
         # the others are mid-way through a chunked prefill.
         ends = plan.starts + plan.q_lens
         sample_idx = [i for i, s in enumerate(plan.states) if ends[i] >= s.num_tokens]
+        # Requests with drafts are verified (every scheduled position scored) instead.
+        drafts = so.scheduled_spec_decode_tokens
+        verify_idx: list[int] = []
+        if drafts:
+            verify_idx = [i for i in sample_idx if plan.states[i].req_id in drafts]
+            sample_idx = [i for i in sample_idx if plan.states[i].req_id not in drafts]
         sampled_states = [plan.states[i] for i in sample_idx]
         # Filled on the fill thread while the forward runs.
         grammar = None
@@ -421,12 +456,30 @@ class ModelRunner:
                 if lp is not None:
                     prompt_logprobs[state.req_id] = lp
 
-        if not sample_idx:
+        if not sample_idx and not verify_idx:
             return ModelRunnerOutput([], [], None, prompt_logprobs)
-        last_rows = torch.from_numpy(plan.cu_q[1:][sample_idx] - 1)
-        logits = self.model.compute_logits(hidden.index_select(0, self._to_device(last_rows)))
+        rows = plan.cu_q[1:][sample_idx] - 1
+        if verify_idx:
+            rows = np.concatenate([rows, *(np.arange(plan.cu_q[i], plan.cu_q[i + 1]) for i in verify_idx)])
+        logits = self.model.compute_logits(hidden.index_select(0, self._to_device(torch.from_numpy(rows))))
         if logits is None:  # a TP rank that only contributed its vocabulary shard
             return ModelRunnerOutput([], [], None, {})
+        token_ids: list[int] = []
+        logprobs = None
+        if sample_idx:
+            token_ids, logprobs = self._sample(logits[: len(sample_idx)], sampled_states, grammar)
+        spec_out: SpecDecodeOutput | None = None
+        if self.speculator is not None:
+            verify_states = [plan.states[i] for i in verify_idx]
+            spec_out = self.speculator.step(verify_states, logits[len(sample_idx) :], drafts, sampled_states)
+        return ModelRunnerOutput(
+            [s.req_id for s in sampled_states], token_ids, logprobs, prompt_logprobs, spec_decode=spec_out
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, sampled_states: list[CachedRequestState], grammar: Future[GrammarBitmask] | None
+    ) -> tuple[list[int], LogprobsLists | None]:
+        """One token per row, appended to the batch; with logprob rows when asked."""
         metadata_s = build_sampling_metadata(sampled_states, logits.shape[-1])
         if grammar is not None:
             masks = grammar.result()
@@ -439,10 +492,27 @@ class ModelRunner:
             self.structured.accept_tokens([s.req_id for s in sampled_states], token_ids)
         for state, token in zip(sampled_states, token_ids):
             self.input_batch.append_token(state, token)
-        logprobs = out.logprobs.tolists() if out.logprobs is not None else None
-        return ModelRunnerOutput(
-            [s.req_id for s in sampled_states], token_ids, logprobs, prompt_logprobs
-        )
+        return token_ids, out.logprobs.tolists() if out.logprobs is not None else None
+
+    def forward_positions(
+        self, model: LlamaForCausalLM, states: list[CachedRequestState], starts: np.ndarray, q_lens: np.ndarray
+    ) -> torch.Tensor:
+        """Hidden states of `model` (a draft model with its own KV caches,
+        run on this rank alone) at the last of each request's positions
+        [start, start + q_len), whose tokens are in the persistent batch;
+        rows in the order of `states`."""
+        order = np.argsort(q_lens != 1, kind="stable")  # decodes first, as _plan does
+        q_sorted = q_lens[order]
+        cu_q = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(q_sorted, out=cu_q[1:])
+        plan = _StepPlan([states[i] for i in order], q_sorted, starts[order], cu_q, int((q_sorted == 1).sum()))
+        input_ids, positions, metadata = self._prepare_inputs(plan)
+        if not self.on_cpu:
+            metadata = metadata.map_tensors(self._to_device)
+        hidden = model(self._to_device(input_ids), self._to_device(positions), metadata, None)
+        last = np.empty(len(states), dtype=np.int64)
+        last[order] = cu_q[1:] - 1
+        return hidden.index_select(0, self._to_device(torch.from_numpy(last)))
 
     def _replay_decode(self, plan: _StepPlan) -> torch.Tensor | None:
         """Hidden states of a pure-decode step by CUDA graph replay; None if

@@ -54,6 +54,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Speculative decoding: per request, the draft tokens scheduled after
+    # its last token (counted in `num_scheduled_tokens`), for every rank to
+    # feed and the sampling rank to verify.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

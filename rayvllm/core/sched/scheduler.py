@@ -12,13 +12,21 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from rayvllm.config import CacheConfig, SchedulerConfig
+from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.core.kv_cache_manager import KVCacheManager
 from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from rayvllm.core.sched.request_queue import create_request_queue
-from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from rayvllm.engine_types import (
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerStats,
+    SpecDecodeOutput,
+    SpecDecodingStats,
+)
 from rayvllm.request import FinishReason, Request, RequestStatus
+from rayvllm.spec_decode.eligibility import can_speculate
 
 
 class Scheduler:
@@ -38,6 +46,17 @@ class Scheduler:
     has by the time it runs it. A request may then compute one token past
     its end (EOS, a stop id); that output is dropped, as it arrives after
     the request finished.
+
+    Speculative decoding: a decoding request's drafts (proposed by the
+    sampling worker with its last output) are scheduled after its last
+    token, as far as the budget, max_model_len and max_tokens allow, with
+    KV slots for them (plus `num_lookahead_tokens` for a draft model's own
+    drafts). The output says how many were accepted, and the rejected ones'
+    computed count is taken back, so their KV is overwritten and never
+    hashed (hashes cover known tokens only). A request that can speculate
+    gets no output placeholder under async scheduling: it waits for its
+    output, whose drafts are then fresh, so each of its steps is exactly a
+    synchronous step.
     """
 
     def __init__(
@@ -48,6 +67,7 @@ class Scheduler:
         send_token_ids: bool = False,
         max_inflight_steps: int = 1,
         listener: BlockPoolListener | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -73,6 +93,11 @@ class Scheduler:
         self.num_preemptions = 0
         # Per n > 1 parent: the sibling that computes the shared prompt first.
         self._prompt_leaders: dict[str, Request] = {}
+        self.speculative_config = speculative_config
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
+        self.spec_decoding_stats = (
+            SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
+        )
 
     # ---- requests in and out -------------------------------------------------
 
@@ -122,6 +147,7 @@ class Scheduler:
 
         # Running requests first, in order: decodes and continuing chunks.
         scheduled_running: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
         new_block_ids: dict[str, list[int]] = {}
         out_of_blocks = False
         idx = 0
@@ -135,8 +161,11 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
+            num_spec = self._num_spec_to_schedule(request, num_new, budget) if request.spec_token_ids else 0
+            num_new += num_spec
             while True:
-                blocks = kv.allocate_slots(request, num_new)
+                lookahead = self._lookahead(request, num_new) if self.num_lookahead_tokens else 0
+                blocks = kv.allocate_slots(request, num_new + lookahead)
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -146,6 +175,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
                 if victim is request:
@@ -158,6 +188,8 @@ class Scheduler:
                 # Otherwise `request` itself was preempted and left running.
                 continue
             scheduled_running.append(request)
+            if num_spec:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new
@@ -174,6 +206,8 @@ class Scheduler:
             # Advance now: later decisions in this step (siblings waiting on a
             # prompt) and the next schedule() see these tokens as in flight.
             request.num_computed_tokens += n
+            if request.spec_token_ids:
+                request.spec_token_ids = []  # scheduled or stale: the next output brings fresh ones
             self._add_placeholder_if_sampling(request)
 
         # Then waiting requests, unless this step had to preempt (no room).
@@ -187,7 +221,9 @@ class Scheduler:
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
-                blocks = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+                # Computed tokens are 0 while waiting.
+                lookahead = self._lookahead(request, num_hit + num_new) if self.num_lookahead_tokens else 0
+                blocks = kv.allocate_slots(request, num_new + lookahead, hit_blocks, num_hit)
                 if blocks is None:
                     break
                 self.waiting.pop()
@@ -224,14 +260,38 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         return output
 
+    def _num_spec_to_schedule(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of a decoding request's drafts fit this step: within the
+        budget, before max_model_len, and no more than max_tokens can use
+        (the step also emits the target's own token after them)."""
+        if num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        return max(0, min(
+            len(request.spec_token_ids),
+            budget - 1,
+            self.max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+        ))
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past `num_new` scheduled tokens that a draft model writes
+        while proposing, within max_model_len."""
+        room = self.max_model_len - request.num_computed_tokens - num_new
+        return max(0, min(self.num_lookahead_tokens, room))
+
     def _add_placeholder_if_sampling(self, request: Request) -> None:
         """Under async scheduling, count the token a step just scheduled
         will sample: its last position reaches every token the worker knows.
-        A pooling request samples nothing: it ends with its prompt."""
+        A pooling request samples nothing: it ends with its prompt; a
+        request that can speculate waits for its output instead (see the
+        class docstring)."""
+        if self.speculative_config is not None and can_speculate(request.sampling_params):
+            return
         if self.async_scheduling and request.pooling_params is None and (
             request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
         ):
@@ -278,6 +338,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         # Only requests with nothing in flight are preempted.
         assert request.num_output_placeholders == 0
         request.num_preemptions += 1
@@ -316,13 +377,11 @@ class Scheduler:
                 first_scheduled_time=request.first_scheduled_time if request.num_output_tokens == 1 else None,
             )
             if status is not None:
-                request.stop_reason = stop_reason
-                out.finish_reason = status.finish_reason
-                out.stop_reason = stop_reason
-                self.running.remove(request)
-                self._free_request(request, status)
+                self._finish_with(request, out, status, stop_reason)
             outputs.append(out)
             emitted.add(req_id)
+        if runner_output.spec_decode is not None:
+            self._update_from_spec_decode(scheduler_output, runner_output.spec_decode, outputs, emitted)
         for req_id, pooled in runner_output.pooler_output.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -345,6 +404,59 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], new_prompt_logprobs=lp))
         return outputs
 
+    def _update_from_spec_decode(
+        self,
+        scheduler_output: SchedulerOutput,
+        spec: SpecDecodeOutput,
+        outputs: list[EngineCoreOutput],
+        emitted: set[str],
+    ) -> None:
+        """Emit each verifying request's accepted run up to its first stop
+        (the rest is dropped), take back the rejected drafts' computed
+        count, then store the drafts proposed for the next step."""
+        stats = self.spec_decoding_stats
+        assert stats is not None
+        for req_id, tokens in spec.token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            num_draft = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            num_accepted = len(tokens) - 1
+            request.num_computed_tokens -= num_draft - num_accepted
+            stats.observe(num_draft, num_accepted)
+            status = stop_reason = None
+            num_kept = 0
+            for token in tokens:
+                request.append_output_token_ids([token])
+                num_kept += 1
+                status, stop_reason = self._check_stop(request, token)
+                if status is not None:
+                    break
+            logprobs: LogprobsLists | None = spec.logprobs.get(req_id)
+            out = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=tokens[:num_kept],
+                new_logprobs=logprobs.slice(0, num_kept) if logprobs is not None else None,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            if status is not None:
+                self._finish_with(request, out, status, stop_reason)
+            outputs.append(out)
+            emitted.add(req_id)
+        for req_id, drafts in spec.draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING and not request.num_output_placeholders:
+                request.spec_token_ids = drafts
+
+    def _finish_with(
+        self, request: Request, out: EngineCoreOutput, status: RequestStatus, stop_reason: int | None
+    ) -> None:
+        request.stop_reason = stop_reason
+        out.finish_reason = status.finish_reason
+        out.stop_reason = stop_reason
+        self.running.remove(request)
+        self._free_request(request, status)
+
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
@@ -361,4 +473,5 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=self.num_preemptions,
+            spec_decoding_stats=None if self.spec_decoding_stats is None else self.spec_decoding_stats.copy(),
         )
