@@ -26,6 +26,7 @@ from rayvllm.config import (
     read_hf_config,
 )
 from rayvllm.errors import InvalidParameterError
+from rayvllm.lora.config import LoRAConfig
 
 
 class EngineArgs(BaseModel):
@@ -74,6 +75,11 @@ class EngineArgs(BaseModel):
     task: str | None = None
     pooler_config: str | dict[str, Any] | None = None
     override_pooler_config: str | dict[str, Any] | None = None
+    # vLLM's LoRA knobs (lora/config.py has their defaults and meaning).
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
@@ -147,6 +153,15 @@ class EngineArgs(BaseModel):
             raise InvalidParameterError("pooler_config", f"unknown keys {unknown}; expected pooling_type, normalize")
         return PoolerConfig(**given)
 
+    def create_lora_config(self) -> LoRAConfig | None:
+        """None unless `enable_lora`; the LoRA knobs without it are an error."""
+        given = {k: v for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if (v := getattr(self, k)) is not None}
+        if not self.enable_lora:
+            if given:
+                raise InvalidParameterError(", ".join(given), "applies only with enable_lora=True")
+            return None
+        return LoRAConfig(**given)
+
     def create_parallel_config(self) -> ParallelConfig:
         """The worker layout alone (no model files read): what Serve needs to
         reserve a replica's placement group."""
@@ -200,6 +215,7 @@ class EngineArgs(BaseModel):
             max_logprobs=self.max_logprobs,
             attention_backend=self.resolve_attention_backend(),
             enforce_eager=self.enforce_eager,
+            lora_config=self.create_lora_config(),
         )
 
 

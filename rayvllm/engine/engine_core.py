@@ -114,6 +114,7 @@ class EngineCore:
             send_token_ids=pc.world_size > 1,
             max_inflight_steps=self.max_inflight,
             listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
+            max_loras=self.config.lora_config.max_loras if self.config.lora_config is not None else None,
         )
 
     @property

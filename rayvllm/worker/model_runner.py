@@ -32,6 +32,7 @@ from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
+from rayvllm.lora.model_manager import LoRAModelManager
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
@@ -97,6 +98,8 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        # Adapter slots around the projections, when LoRA is enabled.
+        self.lora: LoRAModelManager | None = None
 
     # ---- setup -------------------------------------------------------------------
 
@@ -113,6 +116,8 @@ class ModelRunner:
             fused_kv_write=self.attn_backend.fused_cpu_kv_write,
             with_lm_head=self.pooler is None,
         )
+        if self.config.lora_config is not None:
+            self.lora = LoRAModelManager(self.model, self.config.lora_config, self.dtype, self.device)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block across this rank's layers and KV heads."""
@@ -188,6 +193,8 @@ class ModelRunner:
             and self.attn_backend.supports_cuda_graphs
             and self.parallel.tp_size == 1
             and self.parallel.pp_size == 1
+            # A step's adapter mask is not among a graph's static inputs.
+            and self.config.lora_config is None
         )
 
     @torch.inference_mode()
@@ -390,9 +397,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if self.lora is not None:
+            self.lora.update(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], None, {})
         plan = self._plan(so)
+        if self.lora is not None:
+            self.lora.set_step([s.req_id for s in plan.states], plan.q_lens)
         # Sample only for requests whose scheduled tokens reach their end;
         # the others are mid-way through a chunked prefill.
         ends = plan.starts + plan.q_lens

@@ -18,6 +18,7 @@ from rayvllm.core.kv_cache_manager import KVCacheManager
 from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from rayvllm.core.sched.request_queue import create_request_queue
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from rayvllm.lora.slots import LoRASlots
 from rayvllm.request import FinishReason, Request, RequestStatus
 
 
@@ -48,7 +49,9 @@ class Scheduler:
         send_token_ids: bool = False,
         max_inflight_steps: int = 1,
         listener: BlockPoolListener | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: LoRA on, with that many adapter slots (None: off)."""
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -73,6 +76,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Per n > 1 parent: the sibling that computes the shared prompt first.
         self._prompt_leaders: dict[str, Request] = {}
+        self.lora_slots = LoRASlots(max_loras) if max_loras is not None else None
 
     # ---- requests in and out -------------------------------------------------
 
@@ -101,6 +105,8 @@ class Scheduler:
         if parent is not None and self._prompt_leaders.get(parent) is request:
             del self._prompt_leaders[parent]
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -182,6 +188,9 @@ class Scheduler:
                 request = self.waiting.peek()
                 if self._wait_for_sibling(request):
                     break
+                # Every slot is pinned by running requests of other adapters.
+                if self.lora_slots is not None and not self.lora_slots.can_admit(request):
+                    break
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if num_new > budget and not self.config.enable_chunked_prefill:
@@ -191,6 +200,7 @@ class Scheduler:
                 if blocks is None:
                     break
                 self.waiting.pop()
+                lora_slot = self.lora_slots.acquire(request) if self.lora_slots is not None else -1
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
                     request.first_scheduled_time = time.time()
@@ -207,6 +217,8 @@ class Scheduler:
                         block_ids=kv.get_block_ids(request.request_id),
                         num_computed_tokens=num_hit,
                         pooling_params=request.pooling_params,
+                        lora_request=request.lora_request,
+                        lora_slot=lora_slot,
                     )
                 )
                 request.num_output_tokens_sent = request.num_output_tokens
@@ -276,6 +288,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # Only requests with nothing in flight are preempted.
