@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 
 from rayvllm import LLM, LoRARequest, SamplingParams
-from rayvllm.errors import InvalidParameterError
+from rayvllm.core.kv_cache_utils import hash_request_tokens, request_extra_keys
+from rayvllm.entrypoints.cli import build_parser
+from rayvllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_modules
+from rayvllm.errors import InvalidParameterError, ModelNotFoundError
 from rayvllm.lora.model_manager import LoRAModelManager
+from rayvllm.lora.slots import LoRASlots
+from rayvllm.request import EngineCoreRequest, Request
 
 from hf_oracle import NUM_NEW
 from lora_oracle import build_adapter, peft_greedy
@@ -153,3 +158,63 @@ def test_adapters_the_engine_cannot_run_are_refused(
     # The engine still serves after every refusal.
     out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=_lora(adapters, "a"))[0]
     assert out.outputs[0].token_ids == peft_greedy(tiny_model_dir, adapters["a"], prompt["prompt_token_ids"])
+
+
+# ---- the pieces on their own ----------------------------------------------------------
+
+
+def _request(req_id: str, lora_id: int | None) -> Request:
+    lora = None if lora_id is None else LoRARequest(f"l{lora_id}", lora_id, "/unused")
+    return Request(EngineCoreRequest(req_id, [5, 6], SamplingParams(max_tokens=1), None, lora_request=lora))
+
+
+def test_slots_are_pinned_while_running_and_reused_lru() -> None:
+    slots = LoRASlots(max_loras=2)
+    r1, r2, r3, r4, base = (_request("1", 1), _request("2", 2), _request("3", 3), _request("4", 2),
+                            _request("b", None))
+    assert slots.acquire(r1) == 0 and slots.acquire(r2) == 1
+    assert not slots.can_admit(r3) and slots.can_admit(base) and slots.acquire(base) == -1
+    assert slots.can_admit(r4) and slots.acquire(r4) == 1  # adapter 2 is resident: shared
+    slots.release(r2)
+    assert not slots.can_admit(r3)  # adapter 2 still runs (r4)
+    slots.release(r1)
+    assert slots.acquire(r3) == 0  # adapter 1 was idle: its slot is reused
+    slots.release(r1)  # twice is harmless
+    assert slots.refs == {1: 0, 2: 1, 3: 1}
+
+
+def test_prefix_hashes_differ_by_adapter() -> None:
+    tokens = list(range(32))
+    base = hash_request_tokens(16, tokens, request_extra_keys(None, None))
+    one = hash_request_tokens(16, tokens, request_extra_keys(None, 1))
+    two = hash_request_tokens(16, tokens, request_extra_keys(None, 2))
+    assert len({base[0], one[0], two[0]}) == 3 and len({base[1], one[1], two[1]}) == 3
+    assert request_extra_keys("s", None) == ("cache_salt", "s")
+
+
+def test_lora_modules_forms_and_errors() -> None:
+    assert parse_lora_modules("a=/p b=/q") == [LoRAModulePath("a", "/p"), LoRAModulePath("b", "/q")]
+    assert parse_lora_modules(['{"name": "a", "path": "/p", "base_model_name": "m"}']) == [
+        LoRAModulePath("a", "/p", "m")
+    ]
+    for bad in (["a"], ["=p"], ['{"name": "a"}'], ["{not json"]):
+        with pytest.raises(InvalidParameterError, match="lora_modules"):
+            parse_lora_modules(bad)
+    ns = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/p", "b=/q"])
+    assert ns.lora_modules == ["a=/p", "b=/q"] and ns.enable_lora is True
+
+
+def test_served_names_resolve_to_adapters() -> None:
+    models = OpenAIServingModels(["base"], 128, lora_modules=parse_lora_modules("a=/p"))
+    assert models.resolve(None) == ("base", None)
+    name, lora = models.resolve("a")
+    assert name == "a" and lora is not None and lora.lora_int_id == 1 and lora.base_model_name == "base"
+    with pytest.raises(ModelNotFoundError):
+        models.resolve("b")
+    with pytest.raises(InvalidParameterError, match="already served"):
+        models.load_lora_adapter("base", "/q")
+    models.unload_lora_adapter("a")
+    # A name loaded again is another adapter to the engine: a new id.
+    assert models.load_lora_adapter("a", "/q").lora_int_id == 2
+    cards = {c.id: c for c in models.show_models().data}
+    assert cards["a"].parent == "base" and cards["a"].root == "/q"
