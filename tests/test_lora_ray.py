@@ -1,7 +1,8 @@
 """Multi-LoRA on the Ray path (SchedulerActor + WorkerActor): adapters and
 the base model in one batch match transformers + PEFT with one worker
-(async scheduling on) and under tensor and pipeline parallelism, where each
-rank loads its own shard of every adapter."""
+(async scheduling on), under tensor and pipeline parallelism, where each
+rank loads its own shard of every adapter, and over two data-parallel
+ranks, each with its own slots."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize(
     "sizes",
-    [dict(distributed_executor_backend="ray"), dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
-    ids=["one-worker", "tp2", "pp2"],
+    [dict(distributed_executor_backend="ray"), dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+     dict(data_parallel_size=2)],
+    ids=["one-worker", "tp2", "pp2", "dp2"],
 )
 def test_ray_path_mixed_adapters_match_peft(
     ray_local: None, tiny_model_dir: Path, adapters: list[LoRARequest], sizes: dict
