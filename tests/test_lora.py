@@ -18,6 +18,7 @@ from rayvllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServ
 from rayvllm.errors import InvalidParameterError, ModelNotFoundError
 from rayvllm.lora.model_manager import LoRAModelManager
 from rayvllm.lora.slots import LoRASlots
+from rayvllm.models.random_model import RandomModelSpec, build_random_model
 from rayvllm.request import EngineCoreRequest, Request
 
 from hf_oracle import NUM_NEW
@@ -158,6 +159,19 @@ def test_adapters_the_engine_cannot_run_are_refused(
     # The engine still serves after every refusal.
     out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=_lora(adapters, "a"))[0]
     assert out.outputs[0].token_ids == peft_greedy(tiny_model_dir, adapters["a"], prompt["prompt_token_ids"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_family_matches_peft(arch: str, tmp_path: Path) -> None:
+    """Q/K/V biases (Qwen2) and per-head q/k norms (Qwen3) around the adapted projections."""
+    model = build_random_model(tmp_path / arch, RandomModelSpec(arch=arch, head_dim=32, seed=7))
+    adapter = build_adapter(model, tmp_path / "adapter", seed=8, rank=8)
+    llm = LLM(model=str(model), dtype="float32", enable_lora=True, max_lora_rank=8)
+    prompts = _prompts(6, 2)
+    loras = [LoRARequest("x", 1, str(adapter)), None]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+    assert outs[0].outputs[0].token_ids == peft_greedy(model, adapter, prompts[0])
+    assert outs[1].outputs[0].token_ids == peft_greedy(model, None, prompts[1])
 
 
 # ---- the pieces on their own ----------------------------------------------------------
