@@ -11,7 +11,7 @@ shard of each adapter, sliced as the base weights are.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,9 +42,12 @@ class LoRAModelManager:
     `max_cpu_loras` adapters, least recently used first."""
 
     def __init__(
-        self, model: LlamaForCausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device
+        self, model: LlamaForCausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
+        """`to_device`: the runner's upload of a step's host tensors."""
         self.model = model
+        self.to_device = to_device
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -86,7 +89,7 @@ class LoRAModelManager:
         rows = (token_slots >= 0).nonzero().squeeze(1)
         mask = torch.zeros(token_slots.shape[0], self.config.max_loras, 1, dtype=self.dtype)
         mask[rows, token_slots[rows], 0] = 1
-        self.step.mask = mask.to(self.device)
+        self.step.mask = self.to_device(mask)
 
     def activate(self, slot: int, request: LoRARequest) -> None:
         """Copy the adapter into `slot` unless it is there already."""

@@ -117,7 +117,9 @@ class ModelRunner:
             with_lm_head=self.pooler is None,
         )
         if self.config.lora_config is not None:
-            self.lora = LoRAModelManager(self.model, self.config.lora_config, self.dtype, self.device)
+            self.lora = LoRAModelManager(
+                self.model, self.config.lora_config, self.dtype, self.device, self._to_device
+            )
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block across this rank's layers and KV heads."""
