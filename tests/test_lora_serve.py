@@ -95,6 +95,9 @@ def test_adapters_load_and_unload_at_run_time(
     resp = _complete("c")
     assert resp.status_code == 200
     assert resp.json()["choices"][0]["text"] == _expected_text(tiny_model_dir, adapters["c"], tiny_tokenizer)
-    assert requests.post(f"{BASE_URL}/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=30).ok
+    unload = f"{BASE_URL}/v1/unload_lora_adapter"
+    assert requests.post(unload, json={"lora_name": ["c"]}, timeout=30).status_code == 400
+    assert requests.post(unload, json={"lora_name": "c"}, timeout=30).ok
+    assert requests.post(unload, json={"lora_name": "c"}, timeout=30).status_code == 404
     assert _complete("c").status_code == 404
     assert "c" not in {c["id"] for c in requests.get(f"{BASE_URL}/v1/models", timeout=30).json()["data"]}

@@ -233,6 +233,7 @@ class LLMServer:
     async def create_response(self, request: Request) -> Response:
         try:
             self._authorize(request)
+            await self._multiplexed_adapter()
             body = await _parse(request, ResponsesRequest, self.max_request_bytes)
             return _respond(await self.responses.create_response(body, f"resp_{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001
@@ -244,6 +245,7 @@ class LLMServer:
             self._authorize(request)
             # A model that does not pool says so before its body is read.
             self.engine.processor.check_runner(PoolingParams())
+            await self._multiplexed_adapter()
             body = await _parse(request, EmbeddingRequest, self.max_request_bytes)
             return _respond(await self.embedding.create_embedding(body, f"embd-{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001
@@ -259,31 +261,31 @@ class LLMServer:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
-        """vLLM's route: {"lora_name", "lora_path"} becomes a served model."""
-        try:
-            self._authorize(request)
-            self._check_runtime_lora_updating()
-            body = await _json(request, self.max_request_bytes)
-            self.models.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
-            return Response(f"Success: LoRA adapter '{body['lora_name']}' added successfully.", status_code=200)
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+        """vLLM's route: {"lora_name", "lora_path"} becomes a served model
+        (on this replica: the one that answers)."""
+        return await self._update_loras(request, load=True)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: {"lora_name"} is served no more; admitted requests finish with it."""
+        return await self._update_loras(request, load=False)
+
+    async def _update_loras(self, request: Request, load: bool) -> Response:
         try:
             self._authorize(request)
-            self._check_runtime_lora_updating()
+            if not self.allow_runtime_lora_updating:
+                raise ModelNotFoundError(
+                    "loading adapters at run time is off; start the server with allow_runtime_lora_updating=true"
+                )
             body = await _json(request, self.max_request_bytes)
-            self.models.unload_lora_adapter(body.get("lora_name"))
-            return Response(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.", status_code=200)
+            if load:
+                self.models.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
+            else:
+                self.models.unload_lora_adapter(body.get("lora_name"))
+            done = "added" if load else "removed"
+            return Response(f"Success: LoRA adapter '{body['lora_name']}' {done} successfully.", status_code=200)
         except Exception as e:  # noqa: BLE001
             return _error(e)
-
-    def _check_runtime_lora_updating(self) -> None:
-        if not self.allow_runtime_lora_updating:
-            raise ModelNotFoundError("loading adapters at run time is off; start the server with "
-                                     "allow_runtime_lora_updating=true")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

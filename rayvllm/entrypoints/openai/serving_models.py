@@ -104,6 +104,8 @@ class OpenAIServingModels:
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         """Requests already admitted finish with the adapter; new ones are a 404."""
+        if not isinstance(lora_name, str) or not lora_name:
+            raise InvalidParameterError("lora_name", "must be a non-empty string")
         if self.lora_requests.pop(lora_name, None) is None:
             raise ModelNotFoundError(f"The LoRA adapter `{lora_name}` is not loaded.")
 
