@@ -1,11 +1,12 @@
 """rayvllm: a vLLM-class LLM inference and serving engine, native to Ray."""
 
+from rayvllm.lora.request import LoRARequest
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "SamplingParams", "StructuredOutputsParams", "PoolingParams", "LLM", "RequestOutput", "CompletionOutput",
-    "EmbeddingRequestOutput", "PoolingRequestOutput", "EngineArgs",
+    "EmbeddingRequestOutput", "PoolingRequestOutput", "EngineArgs", "LoRARequest",
 ]
 
 

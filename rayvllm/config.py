@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rayvllm.errors import InvalidParameterError
+from rayvllm.lora.config import LoRAConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -359,6 +360,8 @@ class EngineConfig:
     # Never capture CUDA graphs (the CPU is always eager).
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | None = None
+    # Set exactly when LoRA adapters are enabled (`enable_lora`).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -27,6 +27,7 @@ from rayvllm.config import (
     read_hf_config,
 )
 from rayvllm.errors import InvalidParameterError
+from rayvllm.lora.config import LoRAConfig
 
 
 class EngineArgs(BaseModel):
@@ -79,6 +80,11 @@ class EngineArgs(BaseModel):
     # command line): {"method": "ngram", "num_speculative_tokens": k, ...}
     # or {"method": "draft_model", "model": path, ...}; see SpeculativeConfig.
     speculative_config: str | dict[str, Any] | None = None
+    # vLLM's LoRA knobs (lora/config.py has their defaults and meaning).
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
@@ -152,6 +158,15 @@ class EngineArgs(BaseModel):
             raise InvalidParameterError("pooler_config", f"unknown keys {unknown}; expected pooling_type, normalize")
         return PoolerConfig(**given)
 
+    def create_lora_config(self) -> LoRAConfig | None:
+        """None unless `enable_lora`; the LoRA knobs without it are an error."""
+        given = {k: v for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if (v := getattr(self, k)) is not None}
+        if not self.enable_lora:
+            if given:
+                raise InvalidParameterError(", ".join(given), "applies only with enable_lora=True")
+            return None
+        return LoRAConfig(**given)
+
     def create_parallel_config(self) -> ParallelConfig:
         """The worker layout alone (no model files read): what Serve needs to
         reserve a replica's placement group."""
@@ -206,6 +221,7 @@ class EngineArgs(BaseModel):
             attention_backend=self.resolve_attention_backend(),
             enforce_eager=self.enforce_eager,
             speculative_config=self.create_speculative_config(model_config),
+            lora_config=self.create_lora_config(),
         )
 
     def create_speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:

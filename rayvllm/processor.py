@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any, NotRequired, Required, TypeAlias, TypedDi
 
 from rayvllm.config import ModelConfig
 from rayvllm.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.lora.checker import LoRAChecker
+from rayvllm.lora.config import LoRAConfig
+from rayvllm.lora.request import LoRARequest
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.request import EngineCoreRequest
 from rayvllm.sampling_params import SEED_MIN, SamplingParams
@@ -174,13 +177,16 @@ class Processor:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         eos_token_ids: Sequence[int] | None = None,
         max_n: int | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`max_logprobs`: cap on logprobs/prompt_logprobs (-1: the vocab size).
         `eos_token_ids`: override of what `get_eos_token_ids` finds, primary first.
         `max_n`: cap on a request's `n` (the engines pass `max_num_seqs`:
         more sequences than one step can run only queue, and each costs a
-        request in the engine); None for no cap."""
+        request in the engine); None for no cap.
+        `lora_config`: LoRA enabled (None: a request's lora_request is a 400)."""
         self.model_config = model_config
+        self.lora = LoRAChecker(lora_config, model_config.hf_config)
         self.max_n = max_n
         # No token of this vocabulary covers more characters than its longest
         # entry (byte-level entries have one character per byte), so a text
@@ -279,6 +285,7 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """Validate and tokenize one request (n > 1 stays one request; see `fan_out`).
 
@@ -296,6 +303,7 @@ class Processor:
         self.check_runner(params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameterError("priority", f"must be an integer, got {priority!r}")
+        lora_request = self.lora.check(lora_request)
         prompt_ids, cache_salt = self._prompt_ids(prompt, add_special_tokens)
         pooling: PoolingParams | None = None
         if isinstance(params, PoolingParams):
@@ -315,6 +323,7 @@ class Processor:
             priority=priority,
             cache_salt=cache_salt,
             pooling_params=pooling,
+            lora_request=lora_request,
         )
 
     def check_runner(self, params: SamplingParams | PoolingParams) -> None:
@@ -352,12 +361,13 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[list[EngineCoreRequest], str | None]:
         """`process` then `fan_out`: the engine-core requests (n of them, or
         the request itself when n == 1) and the prompt text to echo."""
         request = self.process(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority,
-            add_special_tokens=add_special_tokens,
+            add_special_tokens=add_special_tokens, lora_request=lora_request,
         )
         return fan_out(request), self.prompt_text(prompt)
 

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field, replace
 
+from rayvllm.lora.request import LoRARequest
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
@@ -71,6 +72,8 @@ class EngineCoreRequest:
     parent_request_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
+    # The adapter to run with (None: the base model); checked by the Processor.
+    lora_request: LoRARequest | None = None
 
 
 class Request:
@@ -94,6 +97,7 @@ class Request:
         self.cache_salt = core_req.cache_salt
         self.parent_request_id = core_req.parent_request_id
         self.pooling_params = core_req.pooling_params
+        self.lora_request = core_req.lora_request
         self.prompt_token_ids = list(core_req.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = list(core_req.output_token_ids)
@@ -129,6 +133,11 @@ class Request:
         every prompt position's output is wanted (prompt logprobs, mean pooling)."""
         pooling = self.pooling_params
         return self.sampling_params.prompt_logprobs is None and (pooling is None or pooling.pooling_type != "MEAN")
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The adapter's id, None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_output_tokens(self) -> int:

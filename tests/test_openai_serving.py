@@ -33,6 +33,7 @@ from rayvllm.entrypoints.openai.protocol import (
 from rayvllm.entrypoints.openai.serving import EventStream, OpenAIServing
 from rayvllm.entrypoints.openai.streams import SSE_DONE
 from rayvllm.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PromptTooLongError
+from rayvllm.lora.request import LoRARequest
 from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rayvllm.processor import Processor, PromptType
 from rayvllm.request import EngineCoreRequest
@@ -94,10 +95,13 @@ class FakeEngine:
         self.gate: asyncio.Event | None = None
 
     def add_request(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True
+        self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> "FakeStream":
         """Validates at once, as `AsyncLLM.add_request` does."""
-        request = self.processor.process(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        request = self.processor.process(
+            request_id, prompt, params, add_special_tokens=add_special_tokens, lora_request=lora_request
+        )
         self.requests.append(request)
         return FakeStream(self, request_id, self._run(request, Processor.prompt_text(prompt)))
 

@@ -114,4 +114,4 @@ class DPRouter:
             return []
         # Hash only what can count; the tail beyond the cap is wasted SHA work.
         tokens = request.all_token_ids[: max_blocks * bs]
-        return hash_request_tokens(bs, tokens, request_extra_keys(request.cache_salt))
+        return hash_request_tokens(bs, tokens, request_extra_keys(request.cache_salt, request.lora_int_id))

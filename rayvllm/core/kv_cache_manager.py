@@ -231,7 +231,7 @@ class KVCacheManager:
             tokens = request.all_token_ids
             parent: BlockHash | None = hashes[-1] if hashes else None
             for i in range(len(hashes), num_full):
-                extra = request_extra_keys(request.cache_salt) if i == 0 else None
+                extra = request_extra_keys(request.cache_salt, request.lora_int_id) if i == 0 else None
                 parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra)
                 hashes.append(parent)
         return hashes

@@ -76,13 +76,19 @@ def hash_block_tokens(
     return BlockHash(h.digest())
 
 
-def request_extra_keys(cache_salt: str | None) -> ExtraKeys | None:
-    """Extra keys for a request's *first* block.
+def request_extra_keys(cache_salt: str | None, lora_int_id: int | None = None) -> ExtraKeys | None:
+    """Extra keys for a request's *first* block: its cache salt and its
+    LoRA adapter (the same tokens under another adapter have other KV).
 
     Only the first block needs them: every later block chains from it, so a
-    different salt changes every hash of the request.
+    different salt or adapter changes every hash of the request.
     """
-    return None if cache_salt is None else ("cache_salt", cache_salt)
+    keys: tuple[Any, ...] = ()
+    if cache_salt is not None:
+        keys += ("cache_salt", cache_salt)
+    if lora_int_id is not None:
+        keys += ("lora", lora_int_id)
+    return keys or None
 
 
 def hash_request_tokens(

@@ -25,6 +25,7 @@ from rayvllm.config import EngineConfig
 from rayvllm.engine.core_client import CoreRestarts, EngineCoreClient, make_client
 from rayvllm.engine_args import EngineArgs
 from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
+from rayvllm.lora.request import LoRARequest
 from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
 from rayvllm.metrics import EngineMetrics
 from rayvllm.output_processor import OutputProcessor
@@ -104,7 +105,7 @@ class AsyncLLM:
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         self.processor = Processor(
             config.model_config, self.tokenizer, max_logprobs=config.max_logprobs,
-            max_n=config.scheduler_config.max_num_seqs,
+            max_n=config.scheduler_config.max_num_seqs, lora_config=config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         spec = config.speculative_config
@@ -162,6 +163,7 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and admit the request now, on the event loop, and return
         its stream: invalid input, overload or a dead engine raise here,
@@ -178,7 +180,8 @@ class AsyncLLM:
                 f"{self.max_pending_requests}); retry later"
             )
         core_reqs, prompt_text = self.processor.process_with_fanout(
-            request_id, prompt, params, priority=priority, add_special_tokens=add_special_tokens
+            request_id, prompt, params, priority=priority, add_special_tokens=add_special_tokens,
+            lora_request=lora_request,
         )
         prompt_tokens = sum(len(r.prompt_token_ids) for r in core_reqs)
         limit = self.max_pending_prompt_tokens
@@ -219,6 +222,7 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (DELTA by default; FINAL_ONLY yields
         the finished output alone) until it finishes: `add_request`, then
@@ -227,7 +231,7 @@ class AsyncLLM:
         the next step."""
         stream = self.add_request(
             prompt, params, request_id, add_special_tokens=add_special_tokens, priority=priority,
-            output_kind=output_kind,
+            output_kind=output_kind, lora_request=lora_request,
         )
         try:
             async for out in stream:

@@ -115,6 +115,7 @@ class EngineCore:
             max_inflight_steps=self.max_inflight,
             listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
             speculative_config=self.config.speculative_config,
+            max_loras=self.config.lora_config.max_loras if self.config.lora_config is not None else None,
         )
 
     @property

@@ -12,6 +12,7 @@ from rayvllm.config import EngineConfig
 from rayvllm.engine.core_client import CoreRestarts, make_engine_core
 from rayvllm.engine_args import EngineArgs
 from rayvllm.output_processor import OutputProcessor
+from rayvllm.lora.request import LoRARequest
 from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.pooling_params import PoolingParams
@@ -26,7 +27,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         self.processor = Processor(
             config.model_config, self.tokenizer, max_logprobs=config.max_logprobs,
-            max_n=config.scheduler_config.max_num_seqs,
+            max_n=config.scheduler_config.max_num_seqs, lora_config=config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_engine_core(config)
@@ -51,11 +52,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate, tokenize and enqueue; `n > 1` fans out into child requests
         that the OutputProcessor gathers back into one RequestOutput."""
         core_reqs, prompt_text = self.processor.process_with_fanout(
-            request_id, prompt, params, arrival_time=arrival_time, priority=priority
+            request_id, prompt, params, arrival_time=arrival_time, priority=priority, lora_request=lora_request
         )
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         self.engine_core.add_requests(core_reqs)

@@ -30,6 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> N
         if base is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=field.description)
+        elif typing.get_origin(base) is list:
+            parser.add_argument(flag, dest=name, nargs="+", type=typing.get_args(base)[0], default=None,
+                                help=field.description)
         else:
             parser.add_argument(flag, dest=name, type=base, default=None, help=field.description)
 

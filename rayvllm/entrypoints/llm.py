@@ -11,6 +11,7 @@ from tqdm import tqdm
 from rayvllm.engine.llm_engine import LLMEngine
 from rayvllm.engine_args import EngineArgs
 from rayvllm.errors import InvalidParameterError
+from rayvllm.lora.request import LoRARequest
 from rayvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
@@ -71,13 +72,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in input order."""
+        """One `RequestOutput` per prompt, in input order. `lora_request`:
+        one adapter for every prompt, or one (or None: the base model) each."""
         prompt_list = _prompt_list(prompts)
         params_list = _per_prompt(sampling_params, SamplingParams, len(prompt_list), "sampling_params")
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidParameterError("priority", "must have one entry per prompt")
-        ids = self._add_requests(prompt_list, params_list, priority)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise InvalidParameterError("lora_request", f"got {len(loras)} for {len(prompt_list)} prompts")
+        ids = self._add_requests(prompt_list, params_list, priority, loras)
         return cast(list[RequestOutput], self._run_engine(ids, use_tqdm))
 
     def embed(
@@ -101,7 +110,7 @@ class LLM:
         as a float32 tensor), in input order; a pooling runner's engine."""
         prompt_list = _prompt_list(prompts)
         params_list = _per_prompt(pooling_params, PoolingParams, len(prompt_list), "pooling_params")
-        ids = self._add_requests(prompt_list, params_list, None)
+        ids = self._add_requests(prompt_list, params_list, None, [None] * len(prompt_list))
         return cast(list[PoolingRequestOutput], self._run_engine(ids, use_tqdm))
 
     def _add_requests(
@@ -109,6 +118,7 @@ class LLM:
         prompts: list[PromptType],
         params_list: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None],
     ) -> list[str]:
         """Add every prompt, or none: a bad one aborts those added before it."""
         ids: list[str] = []
@@ -118,7 +128,7 @@ class LLM:
                     prompt = {"prompt_token_ids": prompt}
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority else 0
+                    request_id, prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i]
                 )
                 ids.append(request_id)
         except Exception:

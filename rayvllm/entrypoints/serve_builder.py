@@ -180,6 +180,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         step_timeout_s=server.step_timeout_s,
         enable_auto_tool_choice=server.enable_auto_tool_choice,
         tool_call_parser=server.tool_call_parser,
+        lora_modules=server.lora_modules,
+        allow_runtime_lora_updating=server.allow_runtime_lora_updating,
     )
 
 

@@ -63,6 +63,14 @@ class ServerArgs(BaseModel):
         None, description=f"how tool calls are found in the model's text: {', '.join(TOOL_PARSERS)} (vLLM's names)"
     )
 
+    lora_modules: list[str] | str | None = Field(
+        None, description="LoRA adapters to serve as models, name=path each (vLLM's form; needs enable_lora)"
+    )
+    # vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING; here an option (clients name server paths).
+    allow_runtime_lora_updating: bool = Field(
+        False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
+    )
+
     @field_validator("tool_call_parser")
     @classmethod
     def _known_parser(cls, value: str | None) -> str | None:

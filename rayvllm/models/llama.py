@@ -270,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
                 name = f"layers.{index - self.start_layer}." + name.split(".", 2)[2]
             elif name.startswith("norm.") and self.norm is None:
                 continue
-            target, rows, cols = self._shard_of(name, tensor)
+            target, rows, cols = self.shard_of(name)
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
@@ -298,11 +298,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.load_full(tensor)
             loaded.add("lm_head.weight")
 
-    def _shard_of(
-        self, name: str, tensor: torch.Tensor
-    ) -> tuple[str, tuple[int, int, int] | None, tuple[int, int] | None]:
-        """HF name -> (our parameter, rows (dst start, src start, count) or
-        None for all, input columns `[start, end)` to keep or None)."""
+    def shard_of(self, name: str) -> tuple[str, tuple[int, int, int] | None, tuple[int, int] | None]:
+        """HF name (layer index local) -> (our parameter, rows (dst start,
+        src start, count) or None for all, input columns `[start, end)` to
+        keep or None). LoRA slices adapters by it too (lora/model_manager.py)."""
         if not self.layers:
             return name, None, None
         attn = self.layers[0].self_attn

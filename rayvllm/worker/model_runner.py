@@ -33,6 +33,7 @@ from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
+from rayvllm.lora.model_manager import LoRAModelManager
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
@@ -104,6 +105,8 @@ class ModelRunner:
         # Speculative decoding happens where tokens are sampled.
         spec = config.speculative_config
         self.speculator = Speculator(spec, self) if spec is not None and self.parallel.is_driver else None
+        # Adapter slots around the projections, when LoRA is enabled.
+        self.lora: LoRAModelManager | None = None
 
     # ---- setup -------------------------------------------------------------------
 
@@ -122,6 +125,10 @@ class ModelRunner:
         )
         if self.speculator is not None and self.speculator.drafter is not None:
             self.speculator.drafter.load_model()
+        if self.config.lora_config is not None:
+            self.lora = LoRAModelManager(
+                self.model, self.config.lora_config, self.dtype, self.device, self._to_device
+            )
 
     def _kv_models(self) -> list[LlamaForCausalLM]:
         """Models whose KV this rank caches: the target, and a draft model
@@ -203,6 +210,8 @@ class ModelRunner:
             and self.attn_backend.supports_cuda_graphs
             and self.parallel.tp_size == 1
             and self.parallel.pp_size == 1
+            # A step's adapter mask is not among a graph's static inputs.
+            and self.config.lora_config is None
         )
 
     @torch.inference_mode()
@@ -419,9 +428,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if self.lora is not None:
+            self.lora.update(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], None, {})
         plan = self._plan(so)
+        if self.lora is not None:
+            self.lora.set_step([s.req_id for s in plan.states], plan.q_lens)
         # Sample only for requests whose scheduled tokens reach their end;
         # the others are mid-way through a chunked prefill.
         ends = plan.starts + plan.q_lens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayvllm.lora.request import LoRARequest
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
@@ -25,6 +26,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    # The request's adapter and the batch slot the scheduler gave it (-1: none).
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1
 
 
 @dataclass

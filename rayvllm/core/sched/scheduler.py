@@ -25,6 +25,7 @@ from rayvllm.engine_types import (
     SpecDecodeOutput,
     SpecDecodingStats,
 )
+from rayvllm.lora.slots import LoRASlots
 from rayvllm.request import FinishReason, Request, RequestStatus
 from rayvllm.spec_decode.eligibility import can_speculate
 
@@ -68,7 +69,9 @@ class Scheduler:
         max_inflight_steps: int = 1,
         listener: BlockPoolListener | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: LoRA on, with that many adapter slots (None: off)."""
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -98,6 +101,7 @@ class Scheduler:
         self.spec_decoding_stats = (
             SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
         )
+        self.lora_slots = LoRASlots(max_loras) if max_loras is not None else None
 
     # ---- requests in and out -------------------------------------------------
 
@@ -126,6 +130,8 @@ class Scheduler:
         if parent is not None and self._prompt_leaders.get(parent) is request:
             del self._prompt_leaders[parent]
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -216,6 +222,9 @@ class Scheduler:
                 request = self.waiting.peek()
                 if self._wait_for_sibling(request):
                     break
+                # Every slot is pinned by running requests of other adapters.
+                if self.lora_slots is not None and not self.lora_slots.can_admit(request):
+                    break
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if num_new > budget and not self.config.enable_chunked_prefill:
@@ -227,6 +236,7 @@ class Scheduler:
                 if blocks is None:
                     break
                 self.waiting.pop()
+                lora_slot = self.lora_slots.acquire(request) if self.lora_slots is not None else -1
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
                     request.first_scheduled_time = time.time()
@@ -243,6 +253,8 @@ class Scheduler:
                         block_ids=kv.get_block_ids(request.request_id),
                         num_computed_tokens=num_hit,
                         pooling_params=request.pooling_params,
+                        lora_request=request.lora_request,
+                        lora_slot=lora_slot,
                     )
                 )
                 request.num_output_tokens_sent = request.num_output_tokens
@@ -336,6 +348,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []

@@ -33,9 +33,17 @@ from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from rayvllm.entrypoints.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
-from rayvllm.errors import AuthenticationError, EngineOverloadedError, InvalidParameterError, RequestTooLargeError
+from rayvllm.errors import (
+    AuthenticationError,
+    EngineOverloadedError,
+    InvalidParameterError,
+    ModelNotFoundError,
+    RequestTooLargeError,
+)
+from rayvllm.lora.request import LoRARequest
 from rayvllm.outputs import RequestOutput, RequestOutputKind
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
@@ -131,6 +139,8 @@ class LLMServer:
         step_timeout_s: float | None = None,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        lora_modules: list[str] | str | None = None,
+        allow_runtime_lora_updating: bool = False,
     ) -> None:
         """Server options as `server_args.ServerArgs` documents them
         (its defaults are the served ones; None here means no limit)."""
@@ -152,12 +162,31 @@ class LLMServer:
             step_timeout_s=step_timeout_s,
         )
         serving_args = ([self.engine.served_model_name], self.engine.max_model_len)
+        self.models = OpenAIServingModels(
+            *serving_args, root=config.model_config.model, lora_modules=parse_lora_modules(lora_modules),
+            check_lora=self.engine.processor.lora.check,
+        )
         self.serving = OpenAIServing(
             self.engine, *serving_args, trust_request_chat_template=trust_request_chat_template,
-            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser, models=self.models,
         )
-        self.embedding = OpenAIServingEmbedding(self.engine, *serving_args)
-        self.responses = OpenAIServingResponses(self.engine, *serving_args)
+        self.embedding = OpenAIServingEmbedding(self.engine, *serving_args, models=self.models)
+        self.responses = OpenAIServingResponses(self.engine, *serving_args, models=self.models)
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        self._multiplexed_lora = None
+        if config.lora_config is not None:
+            # Serve model multiplexing: a replica reports the adapters it
+            # served lately, and Serve routes requests that name one (the
+            # `serve_multiplexed_model_id` header, or a handle's
+            # `multiplexed_model_id`) to a replica that has it.
+            models = self.models
+
+            async def lora_for(model_id: str) -> LoRARequest | None:
+                return models.resolve(model_id)[1]
+
+            self._multiplexed_lora = serve.multiplexed(
+                max_num_models_per_replica=config.lora_config.max_cpu_loras
+            )(lora_for)
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
 
@@ -170,12 +199,21 @@ class LLMServer:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise AuthenticationError("missing or wrong API key (send 'Authorization: Bearer <key>')")
 
+    async def _multiplexed_adapter(self) -> LoRARequest | None:
+        """The adapter Serve routed this request for (None: none named),
+        recorded as this replica's, so that Serve sends it more of them."""
+        model_id = serve.get_multiplexed_model_id()
+        if not model_id or self._multiplexed_lora is None:
+            return None
+        return await self._multiplexed_lora(model_id)
+
     # ---- OpenAI routes --------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         try:
             self._authorize(request)
+            await self._multiplexed_adapter()
             body = await _parse(request, CompletionRequest, self.max_request_bytes)
             return _respond(await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
@@ -185,6 +223,7 @@ class LLMServer:
     async def chat_completions(self, request: Request) -> Response:
         try:
             self._authorize(request)
+            await self._multiplexed_adapter()
             body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
             return _respond(await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001
@@ -194,6 +233,7 @@ class LLMServer:
     async def create_response(self, request: Request) -> Response:
         try:
             self._authorize(request)
+            await self._multiplexed_adapter()
             body = await _parse(request, ResponsesRequest, self.max_request_bytes)
             return _respond(await self.responses.create_response(body, f"resp_{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001
@@ -205,6 +245,7 @@ class LLMServer:
             self._authorize(request)
             # A model that does not pool says so before its body is read.
             self.engine.processor.check_runner(PoolingParams())
+            await self._multiplexed_adapter()
             body = await _parse(request, EmbeddingRequest, self.max_request_bytes)
             return _respond(await self.embedding.create_embedding(body, f"embd-{uuid.uuid4().hex}"))
         except Exception as e:  # noqa: BLE001
@@ -217,6 +258,34 @@ class LLMServer:
         except AuthenticationError as e:
             return _error(e)
         return JSONResponse(self.serving.show_models().model_dump(mode="json"))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: {"lora_name", "lora_path"} becomes a served model
+        (on this replica: the one that answers)."""
+        return await self._update_loras(request, load=True)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: {"lora_name"} is served no more; admitted requests finish with it."""
+        return await self._update_loras(request, load=False)
+
+    async def _update_loras(self, request: Request, load: bool) -> Response:
+        try:
+            self._authorize(request)
+            if not self.allow_runtime_lora_updating:
+                raise ModelNotFoundError(
+                    "loading adapters at run time is off; start the server with allow_runtime_lora_updating=true"
+                )
+            body = await _json(request, self.max_request_bytes)
+            if load:
+                self.models.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
+            else:
+                self.models.unload_lora_adapter(body.get("lora_name"))
+            done = "added" if load else "removed"
+            return Response(f"Success: LoRA adapter '{body['lora_name']}' {done} successfully.", status_code=200)
+        except Exception as e:  # noqa: BLE001
+            return _error(e)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
@@ -257,12 +326,15 @@ class LLMServer:
         prompt: Any,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
-        """The finished `RequestOutput` (as `LLM.generate` returns it)."""
+        """The finished `RequestOutput` (as `LLM.generate` returns it).
+        Without `lora_request`, a handle's `multiplexed_model_id` that names
+        a served adapter picks it."""
         final: RequestOutput | None = None
         async for out in self.engine.generate(
             prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora_request or await self._multiplexed_adapter(),
         ):
             final = out
         assert final is not None and final.finished
@@ -273,11 +345,13 @@ class LLMServer:
         prompt: Any,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """DELTA `RequestOutput`s as tokens arrive; call through
-        `handle.options(stream=True)`."""
+        `handle.options(stream=True)`; the adapter as in `generate`."""
         async for out in self.engine.generate(
-            prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex
+            prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex,
+            lora_request=lora_request or await self._multiplexed_adapter(),
         ):
             yield out
 

@@ -44,7 +44,6 @@ from rayvllm.entrypoints.openai.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
@@ -54,7 +53,9 @@ from rayvllm.entrypoints.openai.protocol import (
 from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, OutputStream, sse, sse_error
 from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
-from rayvllm.errors import InvalidParameterError, ModelNotFoundError
+from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels
+from rayvllm.errors import InvalidParameterError
+from rayvllm.lora.request import LoRARequest
 from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rayvllm.processor import Processor, PromptType, TokensPrompt
 from rayvllm.sampling_params import SamplingParams
@@ -87,6 +88,7 @@ class EngineClient(Protocol):
         request_id: str,
         *,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> OutputStream: ...
 
 
@@ -238,9 +240,10 @@ class OpenAIServing:
     def __init__(
         self, engine: EngineClient, served_model_names: list[str], max_model_len: int,
         trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
-        tool_call_parser: str | None = None,
+        tool_call_parser: str | None = None, models: OpenAIServingModels | None = None,
     ) -> None:
-        """`trust_request_chat_template`: accept a `chat_template` in requests
+        """`models`: the served names, with LoRA adapters (default: `served_model_names` alone).
+        `trust_request_chat_template`: accept a `chat_template` in requests
         (otherwise such a request is a 400 naming the field).
         `enable_auto_tool_choice`, `tool_call_parser`: vLLM's options; the
         model may then call tools on its own (`tool_choice="auto"`), found
@@ -257,17 +260,14 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
+        root = getattr(getattr(engine.processor, "model_config", None), "model", None)
+        self.models = models or OpenAIServingModels(self.served_model_names, max_model_len, root)
         self._logprobs = LogprobFormatter(engine.tokenizer)
-        self._created = int(time.time())
 
     # ---- helpers -----------------------------------------------------------------
 
     def _model_name(self, requested: str | None) -> str:
-        if not requested:
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise ModelNotFoundError(f"The model `{requested}` does not exist.")
-        return requested
+        return self.models.resolve(requested)[0]
 
     def _prompt_text(self, prompt: _PromptState) -> str:
         if prompt.text is not None:
@@ -283,11 +283,14 @@ class OpenAIServing:
     ) -> EngineStreams:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         created: list[OutputStream] = []
+        _, lora = self.models.resolve(req.model)
         try:
             with _named_for(req):
                 for prompt, engine_id in zip(prompts, ids):
                     created.append(
-                        self.engine.add_request(prompt, params, engine_id, add_special_tokens=req.add_special_tokens)
+                        self.engine.add_request(
+                            prompt, params, engine_id, add_special_tokens=req.add_special_tokens, lora_request=lora
+                        )
                     )
         except BaseException:
             await EngineStreams(created).aclose()
@@ -521,18 +524,7 @@ class OpenAIServing:
     # ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
 
     def show_models(self) -> ModelList:
-        root = getattr(getattr(self.engine.processor, "model_config", None), "model", None)
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=name,
-                    created=self._created,
-                    root=root or self.served_model_names[0],
-                    max_model_len=self.max_model_len,
-                )
-                for name in self.served_model_names
-            ]
-        )
+        return self.models.show_models()
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of a conversation rendered as a chat
