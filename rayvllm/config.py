@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rayvllm.errors import InvalidParameterError
+from rayvllm.kv_offload.config import KVOffloadConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -271,6 +272,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Never capture CUDA graphs (the CPU is always eager).
     enforce_eager: bool = False
+    # The second KV tier behind each rank's block pool (None: none).
+    kv_offload_config: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

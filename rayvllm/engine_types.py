@@ -59,6 +59,8 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None
     prompt_logprobs: dict[str, LogprobsLists]
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    # Blocks whose copy in from the second KV tier failed (kv_offload/).
+    kv_load_failures: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -144,6 +146,30 @@ class PrefixCacheStats:
 
 
 @dataclass
+class KVOffloadStats:
+    """Second-KV-tier counters of one interval (kv_offload/manager.py).
+
+    `queries`: tokens looked up in the tier past the pool's own hits;
+    `hits`: tokens copied in from it (then counted again as prefix-cache
+    hits, where the request finds them); `stores`, `evictions`,
+    `load_failures`: blocks; `bytes_*`: over the whole worker group."""
+
+    tier: str = ""
+    queries: int = 0
+    hits: int = 0
+    stores: int = 0
+    evictions: int = 0
+    load_failures: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+
+    def add(self, other: "KVOffloadStats") -> None:
+        self.tier = self.tier or other.tier
+        for name in ("queries", "hits", "stores", "evictions", "load_failures", "bytes_stored", "bytes_loaded"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
@@ -152,20 +178,26 @@ class SchedulerStats:
     num_preemptions: int
     # DP ranks whose dead worker group the core rebuilt (cumulative).
     num_rank_rebuilds: int = 0
+    kv_offload_stats: KVOffloadStats | None = None
 
     @classmethod
     def combine(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":
         """Totals over data-parallel ranks; KV usage is the mean (the ranks'
         pools are the same size)."""
         prefix = PrefixCacheStats()
+        offload: KVOffloadStats | None = None
         for s in per_rank:
             prefix.add(s.prefix_cache_stats)
+            if s.kv_offload_stats is not None:
+                offload = offload or KVOffloadStats()
+                offload.add(s.kv_offload_stats)
         return cls(
             num_running_reqs=sum(s.num_running_reqs for s in per_rank),
             num_waiting_reqs=sum(s.num_waiting_reqs for s in per_rank),
             kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
             prefix_cache_stats=prefix,
             num_preemptions=sum(s.num_preemptions for s in per_rank),
+            kv_offload_stats=offload,
         )
 
 

@@ -43,6 +43,7 @@ from rayvllm.engine.rank_recovery import RankRecovery
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.factory import create_executor
+from rayvllm.kv_offload.factory import create_kv_tier
 from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.request import EngineCoreRequest, Request
 
@@ -114,6 +115,7 @@ class EngineCore:
             send_token_ids=pc.world_size > 1,
             max_inflight_steps=self.max_inflight,
             listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
+            kv_tier=create_kv_tier(self.config),
         )
 
     @property

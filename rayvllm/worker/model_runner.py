@@ -32,6 +32,8 @@ from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
+from rayvllm.kv_offload.block_io import KVBlockIO
+from rayvllm.kv_offload.factory import create_kv_block_io
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
@@ -97,6 +99,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.kv_block_io: KVBlockIO | None = None
 
     # ---- setup -------------------------------------------------------------------
 
@@ -155,6 +158,8 @@ class ModelRunner:
         live teams slow every parallel region (kernels/omp_runtime.py); a
         thread that goes on to step simply makes its team again."""
         self.kv_caches = self._bind_kv_caches(num_blocks)
+        shard = self.parallel.pp_rank * self.parallel.tp_size + self.parallel.tp_rank
+        self.kv_block_io = create_kv_block_io(self.config, shard, self.kv_caches)
         if self._cuda_graphs_enabled():
             self._capture_cuda_graphs()
         release_thread_team()
@@ -387,8 +392,15 @@ class ModelRunner:
             )
         return metadata
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's copies to and from the second KV tier, then the step."""
+        failed = self.kv_block_io.apply(so.kv_transfers) if so.kv_transfers and self.kv_block_io else []
+        output = self._execute_model(so)
+        output.kv_load_failures = failed
+        return output
+
+    @torch.inference_mode()
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], None, {})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayvllm.kv_offload.tier import KVTransfers
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
@@ -45,7 +46,8 @@ class SchedulerOutput:
     `scheduled_new_reqs` / `scheduled_cached_reqs`; `total_num_scheduled_tokens`
     is the sum of `num_scheduled_tokens.values()` and never exceeds the budget.
     `finished_req_ids` and `preempted_req_ids` name requests whose worker-side
-    state must be dropped before this step runs.
+    state must be dropped before this step runs. `kv_transfers`: copies
+    between the KV cache and the second tier, made before the forward.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -54,7 +56,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing for the workers to compute or copy."""
+        return self.total_num_scheduled_tokens == 0 and self.kv_transfers is None
