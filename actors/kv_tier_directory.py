@@ -1,10 +1,12 @@
 """`KVTierDirectory`: the Ray object store tier's one directory per model
 and KV layout, shared by every DP rank and Serve replica that serves it.
 
-Block hash -> one ObjectRef per group rank (the rank's shard). Workers put
-shards with this actor as their owner (`ray.put(..., _owner=...)`), so the
-objects outlive the worker that stored them and live exactly as long as
-the directory keeps them: dropping an entry frees its objects. Bounded in
+Block hash -> one ObjectRef per group rank (the rank's shard). Workers
+hand their shards to `register`, which puts them itself: this actor owns
+every object (Ray 2.56 removed `ray.put(..., _owner=...)`, the way to
+hand ownership over without the bytes passing through), so the objects
+outlive the worker that stored them and live exactly as long as the
+directory keeps them: dropping an entry frees its objects. Bounded in
 bytes; least recently stored or hit goes first.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import ray
 
 # Where the directories live, whichever namespace their engines run in.
@@ -38,19 +41,18 @@ class KVTierDirectory:
     def __repr__(self) -> str:
         return f"KVTierDirectory(shards={self.num_shards})"
 
-    def register(self, items: list[tuple[bytes, int, list[ray.ObjectRef], int]]) -> None:
-        """(hash, shard, [ref], nbytes) per stored shard; the ref is wrapped
-        in a list so that Ray hands over the reference, not the value."""
-        for block_hash, shard, (ref,), nbytes in items:
+    def register(self, items: list[tuple[bytes, int, np.ndarray]]) -> None:
+        """(hash, shard, bytes of the shard) per stored shard."""
+        for block_hash, shard, raw in items:
             entry = self._entries.get(block_hash)
             if entry is None:
                 entry = self._entries[block_hash] = {}
                 self._entry_bytes[block_hash] = 0
             if shard in entry:
                 continue  # another rank or replica stored the same block first
-            entry[shard] = ref
-            self._entry_bytes[block_hash] += nbytes
-            self._bytes += nbytes
+            entry[shard] = ray.put(raw)
+            self._entry_bytes[block_hash] += raw.nbytes
+            self._bytes += raw.nbytes
             self._entries.move_to_end(block_hash)
         while self._bytes > self.capacity_bytes and self._entries:
             self._drop(next(iter(self._entries)))

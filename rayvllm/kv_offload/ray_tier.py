@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, KVTierDirectory, directory_name
 from rayvllm.core.kv_cache_utils import BlockHash
@@ -41,23 +41,30 @@ def _directory(oc: KVOffloadConfig, num_shards: int) -> Any:
 
 class RayKVTier:
     """The scheduler side: lookups ask the directory (one call per request,
-    see KVOffloadManager); stores are the workers' to register."""
+    see KVOffloadManager); stores are the workers' to register. A directory
+    that died (and its blocks with it) is made again at the next look-up."""
 
     name = "ray"
 
-    def __init__(self, directory: Any, bytes_per_block: int) -> None:
-        self.directory = directory
+    def __init__(self, oc: KVOffloadConfig, bytes_per_block: int, num_shards: int) -> None:
+        self.oc = oc
+        self.num_shards = num_shards
+        self.directory = _directory(oc, num_shards)
         self.bytes_per_block = bytes_per_block
         self._recent: OrderedDict[BlockHash, None] = OrderedDict()
 
     @classmethod
     def connect(cls, oc: KVOffloadConfig, bytes_per_block: int, num_shards: int) -> "RayKVTier":
         """The directory for `oc.fingerprint`, created by the first engine."""
-        return cls(_directory(oc, num_shards), bytes_per_block)
+        return cls(oc, bytes_per_block, num_shards)
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
         try:
             return int(ray.get(self.directory.lookup.remote(list(block_hashes)), timeout=_TIMEOUT_S))
+        except RayActorError:
+            self.directory = _directory(self.oc, self.num_shards)
+            self._recent.clear()
+            return 0
         except (RayError, GetTimeoutError):
             return 0
 
@@ -81,8 +88,9 @@ class RayKVTier:
 
 
 class RayKVStore:
-    """A worker's side: its shard of each block as one object owned by the
-    directory (bytes, so any dtype crosses; `dtype` reads them back)."""
+    """A worker's side: its shard of each block as one object that the
+    directory puts and owns (bytes, so any dtype crosses; `dtype` reads
+    them back)."""
 
     def __init__(self, oc: KVOffloadConfig, shard: int, dtype: torch.dtype) -> None:
         self.name = directory_name(oc.fingerprint)
@@ -90,35 +98,52 @@ class RayKVStore:
         self.dtype = dtype
         self._handle: Any = None
 
-    @property
-    def directory(self) -> Any:
-        if self._handle is None:
-            self._handle = ray.get_actor(self.name, namespace=KV_TIER_NAMESPACE)
-        return self._handle
+    def _call(self, method: str, *args: Any) -> Any:
+        """A directory call's result; None when there is no live directory
+        (it died, or none was made yet), which then counts as a miss."""
+        try:
+            if self._handle is None:
+                self._handle = ray.get_actor(self.name, namespace=KV_TIER_NAMESPACE)
+            return ray.get(getattr(self._handle, method).remote(*args), timeout=_TIMEOUT_S)
+        except ValueError:
+            return None  # no directory by that name (yet, or any more)
+        except (RayError, GetTimeoutError):
+            self._handle = None  # look the name up again next time
+            return None
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> None:
-        owner = self.directory
-        items = []
-        for block_hash, block in zip(block_hashes, blocks, strict=True):
-            raw = block.contiguous().view(torch.uint8).numpy()
-            items.append((block_hash, self.shard, [ray.put(raw, _owner=owner)], raw.nbytes))
-        owner.register.remote(items)
+        items = [
+            (block_hash, self.shard, block.contiguous().view(torch.uint8).numpy())
+            for block_hash, block in zip(block_hashes, blocks, strict=True)
+        ]
+        # Waited for, so that once a step is back its blocks are findable
+        # by every rank and replica (one round trip per step that stores);
+        # one that is not registered is a miss for whoever looks, no error.
+        self._call("register", items)
 
     def get(self, block_hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
-        try:
-            found = ray.get(self.directory.get_refs.remote(list(block_hashes), self.shard), timeout=_TIMEOUT_S)
-        except (RayError, GetTimeoutError):
+        found = self._call("get_refs", list(block_hashes), self.shard)
+        if found is None:
             return [None] * len(block_hashes)
-        out: list[torch.Tensor | None] = []
-        for refs in found:
-            out.append(self._read(refs[0]) if refs else None)
-        return out
-
-    def _read(self, ref: ray.ObjectRef) -> torch.Tensor | None:
+        refs = [r[0] for r in found if r]
         try:
-            raw = ray.get(ref, timeout=_TIMEOUT_S)
+            values = iter(ray.get(refs, timeout=_TIMEOUT_S))
         except (RayError, GetTimeoutError):
-            return None  # lost or evicted with its owner: recomputed instead
+            # Some are lost (their owner or node died, or they were freed):
+            # read one by one, so that only those are recomputed.
+            values = iter([self._read(ref) for ref in refs])
+        return [self._tensor(next(values)) if r else None for r in found]
+
+    @staticmethod
+    def _read(ref: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(ref, timeout=_TIMEOUT_S)
+        except (RayError, GetTimeoutError):
+            return None
+
+    def _tensor(self, raw: Any) -> torch.Tensor | None:
+        if raw is None:
+            return None
         with warnings.catch_warnings():
             # The object store's buffer is read-only; it is only copied from.
             warnings.simplefilter("ignore", UserWarning)
