@@ -238,3 +238,21 @@ def test_greedy_parity_with_blocks_loaded_from_the_host_tier(tiny_model_dir: Pat
         expected = hf_greedy(tiny_model_dir, prompt)[0][:6]
         assert out.outputs[0].token_ids == expected
     llm.shutdown()
+
+
+def test_tier_counters_on_metrics() -> None:
+    from rayvllm.engine_types import KVOffloadStats, PrefixCacheStats, SchedulerStats
+    from rayvllm.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m")
+    offload = KVOffloadStats(tier="host", queries=128, hits=64, stores=5, evictions=2, bytes_stored=500)
+    stats = SchedulerStats(1, 0, 0.5, PrefixCacheStats(1, 130, 64), 0, kv_offload_stats=offload)
+    metrics.record_scheduler_stats(stats)
+    metrics.record_scheduler_stats(stats)
+    text = metrics.render()[0].decode()
+    assert 'rayvllm:kv_offload_hits_total{model_name="m",tier="host"} 128.0' in text
+    assert 'rayvllm:kv_offload_queries_total{model_name="m",tier="host"} 256.0' in text
+    assert 'rayvllm:kv_offload_stores_total{model_name="m",tier="host"} 10.0' in text
+    assert 'rayvllm:kv_offload_evictions_total{model_name="m",tier="host"} 4.0' in text
+    assert 'rayvllm:kv_offload_stored_bytes_total{model_name="m",tier="host"} 1000.0' in text
+    assert 'rayvllm:kv_offload_hits_total{model_name="m",tier="ray"} 0.0' in text
