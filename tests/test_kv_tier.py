@@ -256,3 +256,57 @@ def test_tier_counters_on_metrics() -> None:
     assert 'rayvllm:kv_offload_evictions_total{model_name="m",tier="host"} 4.0' in text
     assert 'rayvllm:kv_offload_stored_bytes_total{model_name="m",tier="host"} 1000.0' in text
     assert 'rayvllm:kv_offload_hits_total{model_name="m",tier="ray"} 0.0' in text
+
+
+def test_prefix_index_counts_a_ranks_own_tier_for_routing() -> None:
+    from rayvllm.core.prefix_index import PrefixIndex
+
+    index = PrefixIndex(2)
+    tier = HostKVTier(2 * PER_BLOCK, PER_BLOCK, index.tier_listener(1))
+    h = _h(B)
+    assert tier.admit(h[0]) and tier.admit(h[1])
+    assert index.longest_prefix_hits(h) == [0, 2]
+    assert index.ranks_holding(h[0]) == frozenset()  # pools only
+    assert tier.admit(h[2])  # evicts h[0]: the chain now misses at its head
+    assert index.longest_prefix_hits(h) == [0, 0]
+    assert index.longest_prefix_hits(h[1:]) == [0, 2]
+    index.clear_rank(1)
+    assert len(index) == 0
+
+
+def test_dp_routes_to_the_rank_whose_host_tier_holds_the_prefix(tiny_model_dir: Path) -> None:
+    from rayvllm.engine.engine_core import EngineCore
+    from rayvllm.executor.uniproc import UniProcExecutor
+
+    config = EngineArgs(
+        model=str(tiny_model_dir), dtype="float32", data_parallel_size=2, max_model_len=128, max_num_seqs=2,
+        num_gpu_blocks_override=13, kv_offloading_size=1 / 1024,
+    ).create_engine_config()
+    core = EngineCore(config, executors=[UniProcExecutor(config), UniProcExecutor(config)])
+    greedy = Params(temperature=0.0, max_tokens=6, ignore_eos=True)
+    doc, *others = _docs(5, 64, seed=8)
+    tokens: dict[str, list[int]] = {}
+
+    def run(*requests: tuple[str, list[int]]) -> list[int]:
+        for req_id, prompt in requests:
+            core.add_request(EngineCoreRequest(req_id, prompt, greedy, eos_token_id=None))
+        ranks = [core.request_rank[req_id] for req_id, _ in requests]
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return ranks
+
+    try:
+        # Rank 0 is busy each time, so rank 1 computes the document, then three others.
+        assert run(("busy", others[0] + [1]), ("doc", doc + [7, 8, 9])) == [0, 1]
+        for i, other in enumerate(others[1:]):
+            assert run((f"busy{i}", others[0] + [2 + i]), (f"other{i}", other + [7])) == [0, 1]
+        assert core.schedulers[1].kv_cache_manager.block_pool.get_cached_block(_h(doc)[0]) is None
+        core.schedulers[1].kv_cache_manager.make_offload_stats()
+        # Both ranks idle: rank 0 would win the tie, but rank 1's tier holds the prefix.
+        assert run(("again", doc + [10, 11])) == [1]
+        offload = core.schedulers[1].kv_cache_manager.make_offload_stats()
+        assert offload is not None and offload.hits == 64
+        assert tokens["again"] == hf_greedy(tiny_model_dir, doc + [10, 11])[0][:6]
+    finally:
+        core.shutdown()

@@ -109,13 +109,14 @@ class EngineCore:
 
     def _make_scheduler(self, rank: int) -> Scheduler:
         pc = self.config.parallel_config
+        index = self.prefix_index
         return Scheduler(
             self.config.scheduler_config,
             self.config.cache_config,
             send_token_ids=pc.world_size > 1,
             max_inflight_steps=self.max_inflight,
-            listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
-            kv_tier=create_kv_tier(self.config),
+            listener=index.listener(rank) if index is not None else None,
+            kv_tier=create_kv_tier(self.config, index.tier_listener(rank) if index is not None else None),
         )
 
     @property

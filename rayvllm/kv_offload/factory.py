@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from rayvllm.config import EngineConfig
+from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.kv_offload.block_io import KVBlockIO
 from rayvllm.kv_offload.config import kv_bytes_per_block
 from rayvllm.kv_offload.host_tier import HostKVStore, HostKVTier
@@ -19,14 +20,16 @@ def group_bytes_per_block(config: EngineConfig) -> int:
     return kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache_config.block_size, mc.dtype)
 
 
-def create_kv_tier(config: EngineConfig) -> KVTier | None:
-    """The scheduler side of one DP rank's tier; None without offloading."""
+def create_kv_tier(config: EngineConfig, listener: BlockPoolListener | None = None) -> KVTier | None:
+    """The scheduler side of one DP rank's tier; None without offloading.
+    `listener` hears a rank-local tier's hashes come and go (the shared
+    Ray tier has none to tell)."""
     oc = config.kv_offload_config
     if oc is None or not config.cache_config.enable_prefix_caching:
         return None
     per_block = group_bytes_per_block(config)
     if oc.backend == "native":
-        return HostKVTier(oc.size_bytes, per_block)
+        return HostKVTier(oc.size_bytes, per_block, listener)
     from rayvllm.kv_offload.ray_tier import RayKVTier
 
     return RayKVTier.connect(oc, per_block, config.parallel_config.world_size)

@@ -10,19 +10,25 @@ from collections.abc import Sequence
 
 import torch
 
+from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.core.kv_cache_utils import BlockHash
 
 
 class HostKVTier:
     """Invariant: at most `capacity_bytes // bytes_per_block` hashes are
-    held; the least recently stored or hit is evicted first."""
+    held; the least recently stored or hit is evicted first. `listener`
+    hears each hash appear and disappear (`BlockPoolListener`'s contract),
+    as the data-parallel prefix index needs."""
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, bytes_per_block: int) -> None:
+    def __init__(
+        self, capacity_bytes: int, bytes_per_block: int, listener: BlockPoolListener | None = None
+    ) -> None:
         if bytes_per_block <= 0:
             raise ValueError(f"bytes_per_block must be > 0, got {bytes_per_block}")
         self.bytes_per_block = bytes_per_block
+        self.listener = listener
         self.capacity_blocks = capacity_bytes // bytes_per_block
         self._lru: OrderedDict[BlockHash, None] = OrderedDict()
         self._drops: list[BlockHash] = []
@@ -49,14 +55,21 @@ class HostKVTier:
         if self.capacity_blocks == 0:
             return False
         lru[block_hash] = None
+        if self.listener is not None:
+            self.listener.on_block_cached(block_hash)
         while len(lru) > self.capacity_blocks:
-            self._drops.append(lru.popitem(last=False)[0])
+            self._drop(lru.popitem(last=False)[0])
         return True
 
     def forget(self, block_hashes: Sequence[BlockHash]) -> None:
         for block_hash in block_hashes:
             if self._lru.pop(block_hash, 0) is None:
-                self._drops.append(block_hash)
+                self._drop(block_hash)
+
+    def _drop(self, block_hash: BlockHash) -> None:
+        self._drops.append(block_hash)
+        if self.listener is not None:
+            self.listener.on_block_evicted(block_hash)
 
     def take_drops(self) -> list[BlockHash]:
         drops, self._drops = self._drops, []
