@@ -98,24 +98,27 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_as_hits(manager: KVCacheMan
     assert offload.bytes_stored == 5 * PER_BLOCK and offload.bytes_loaded == 2 * PER_BLOCK
 
 
-def test_a_failed_load_is_recomputed_not_read(manager: KVCacheManager) -> None:
-    m = manager
-    a = _request("a", A)
-    _run(m, a)
-    m.free(a)
-    b = _request("b", B)
-    _run(m, b)
-    m.free(b)
+def _load_a_again(m: KVCacheManager) -> tuple[Request, KVTransfers | None]:
+    """a's blocks pushed out of the pool by b into the tier; then a request
+    for a's tokens starts loading them. Returns it and its step's transfers."""
+    for req in (_request("a", A), _request("b", B)):
+        _run(m, req)
+        m.free(req)
     m.take_transfers()
     c = _request("c", A)
     hits, _ = m.get_computed_blocks(c)
     assert m.load_from_tier(c, hits)
-    t = m.take_transfers()
+    return c, m.take_transfers()
+
+
+def test_a_failed_load_is_recomputed_not_read(manager: KVCacheManager) -> None:
+    m = manager
+    c, t = _load_a_again(m)
     assert t is not None and t.loads == [(1, _h(A)[0]), (2, _h(A)[1])]
     # Block 2 (a's second block) did not arrive: only block 1 becomes a hit.
     assert m.finish_transfers(t, [2]) == ["c"]
     hits, num_hit = m.get_computed_blocks(c)
-    assert [b.block_id for b in hits] == [1] and num_hit == 4
+    assert [blk.block_id for blk in hits] == [1] and num_hit == 4
     # The tier stops offering the lost hash, and its workers free it.
     t = m.take_transfers()
     assert t is not None and t.drops == [_h(A)[1]]
@@ -127,17 +130,7 @@ def test_a_failed_load_is_recomputed_not_read(manager: KVCacheManager) -> None:
 
 def test_abort_while_loading_returns_the_blocks(manager: KVCacheManager) -> None:
     m = manager
-    a = _request("a", A)
-    _run(m, a)
-    m.free(a)
-    b = _request("b", B)
-    _run(m, b)
-    m.free(b)
-    m.take_transfers()
-    c = _request("c", A)
-    hits, _ = m.get_computed_blocks(c)
-    assert m.load_from_tier(c, hits)
-    t = m.take_transfers()
+    c, t = _load_a_again(m)
     assert m.num_free_blocks == 2
     m.free(c)
     assert m.num_free_blocks == 4

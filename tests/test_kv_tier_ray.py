@@ -19,7 +19,7 @@ from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, KVTierDirectory,
 from rayvllm.core.kv_cache_utils import hash_request_tokens
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine_types import ModelRunnerOutput
+from rayvllm.engine_types import KVOffloadStats, ModelRunnerOutput
 from rayvllm.engine_args import EngineArgs
 from rayvllm.executor.uniproc import UniProcExecutor
 from rayvllm.request import EngineCoreRequest
@@ -111,18 +111,23 @@ def _evict_doc_from_rank_0(core: EngineCore) -> None:
     assert core.prefix_index.longest_prefix_hits(hash_request_tokens(BLOCK, DOC)) == [0, 0]
 
 
+def _again_on_rank_1(core: EngineCore) -> tuple[dict[str, list[int]], KVOffloadStats | None]:
+    """The document again, sent to rank 1 (rank 0 is kept busy); its tokens
+    and rank 1's tier counters meanwhile."""
+    core.add_request(_request("busy", _docs(1, seed=99)[0]))
+    core.add_request(_request("again", DOC + [10, 11]))
+    assert core.request_rank["again"] == 1
+    rank1 = core.schedulers[1].kv_cache_manager
+    rank1.make_offload_stats()
+    tokens = _run(core)
+    return tokens, rank1.make_offload_stats()
+
+
 def test_a_prefix_rank_0_computed_is_loaded_by_rank_1(fingerprint: str, tiny_model_dir: Path) -> None:
     core = _dp_core(tiny_model_dir)
     try:
         _evict_doc_from_rank_0(core)
-        # Rank 0 is busy with a fresh document, so the request goes to rank 1.
-        core.add_request(_request("busy", _docs(1, seed=99)[0]))
-        core.add_request(_request("again", DOC + [10, 11]))
-        assert core.request_rank["again"] == 1
-        rank1 = core.schedulers[1].kv_cache_manager
-        rank1.make_offload_stats()
-        tokens = _run(core)
-        offload = rank1.make_offload_stats()
+        tokens, offload = _again_on_rank_1(core)
         assert offload is not None and (offload.hits, offload.load_failures) == (4 * BLOCK, 0)
         assert tokens["again"] == hf_greedy(tiny_model_dir, DOC + [10, 11])[0][:NUM_NEW]
     finally:
@@ -147,13 +152,7 @@ def test_lost_objects_are_recomputed_with_identical_tokens(fingerprint: str, tin
             return run_step(so)
 
         executor.execute_model = lose_tier_then_step  # type: ignore[method-assign]
-        core.add_request(_request("busy", _docs(1, seed=99)[0]))
-        core.add_request(_request("again", DOC + [10, 11]))
-        assert core.request_rank["again"] == 1
-        rank1 = core.schedulers[1].kv_cache_manager
-        rank1.make_offload_stats()
-        tokens = _run(core)
-        offload = rank1.make_offload_stats()
+        tokens, offload = _again_on_rank_1(core)
         assert offload is not None and (offload.hits, offload.load_failures) == (0, 4)
         assert tokens["again"] == hf_greedy(tiny_model_dir, DOC + [10, 11])[0][:NUM_NEW]
     finally:
