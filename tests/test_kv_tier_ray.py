@@ -161,12 +161,17 @@ def test_lost_objects_are_recomputed_with_identical_tokens(fingerprint: str, tin
 
 def test_a_second_engine_loads_what_the_first_computed(fingerprint: str, tiny_model_dir: Path) -> None:
     """Two engines on Ray, each with its own SchedulerActor process (as two
-    Serve replicas have): the second never computes the document's prefix."""
+    Serve replicas have): the second never computes the document's prefix,
+    and loads it after the first, which made the directory and stored the
+    blocks, is gone with its placement group."""
     first = LLM(model=str(tiny_model_dir), **ENGINE)
-    second = LLM(model=str(tiny_model_dir), **ENGINE)
     try:
         for prompt in [DOC + [7, 8, 9]] + [other + [7] for other in OTHERS]:
             first.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
+    finally:
+        first.shutdown()
+    second = LLM(model=str(tiny_model_dir), **ENGINE)
+    try:
         core = second.llm_engine.engine_core
         core.make_stats()
         (out,) = second.generate({"prompt_token_ids": DOC + [10, 11]}, PARAMS, use_tqdm=False)
@@ -176,7 +181,6 @@ def test_a_second_engine_loads_what_the_first_computed(fingerprint: str, tiny_mo
         assert out.num_cached_tokens == 4 * BLOCK
         assert out.outputs[0].token_ids == hf_greedy(tiny_model_dir, DOC + [10, 11])[0][:NUM_NEW]
     finally:
-        first.shutdown()
         second.shutdown()
 
 

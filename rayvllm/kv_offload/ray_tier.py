@@ -34,8 +34,11 @@ _RECENT_STORES = 1 << 16
 def _directory(oc: KVOffloadConfig, num_shards: int) -> Any:
     if not ray.is_initialized():
         raise InvalidParameterError("kv_offloading_backend", "'ray' needs a running Ray (the engine's Ray runtime)")
+    # "DEFAULT" scheduling: not in the creating engine's placement group
+    # (whose actors capture their children), which goes with that engine.
     return KVTierDirectory.options(
-        name=directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE, lifetime="detached", get_if_exists=True
+        name=directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE, lifetime="detached",
+        get_if_exists=True, scheduling_strategy="DEFAULT",
     ).remote(oc.size_bytes, num_shards)
 
 
