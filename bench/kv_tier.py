@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -155,7 +156,8 @@ def main() -> None:
         vocab = int(json.load(f)["vocab_size"])
     machine = cpu_line()
     print(f"model {model}\nmachine: {machine}", flush=True)
-    ray.init(log_to_driver=False)
+    # A cluster of its own unless one is named (RAY_ADDRESS, e.g. to span nodes).
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), log_to_driver=False)
     tiers = args.tiers.split(",")
     topologies = ["dp2", "replicas"] if args.topology == "both" else [args.topology]
     results = []

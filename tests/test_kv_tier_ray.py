@@ -35,7 +35,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
