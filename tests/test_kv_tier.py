@@ -5,6 +5,7 @@ the host tier."""
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from rayvllm import LLM, SamplingParams
 from rayvllm.core.kv_cache_manager import KVCacheManager
 from rayvllm.core.kv_cache_utils import BlockHash, hash_request_tokens
 from rayvllm.engine_args import EngineArgs
+from rayvllm.entrypoints.cli import add_model_args, given_args
 from rayvllm.errors import InvalidParameterError
 from rayvllm.kv_offload.block_io import KVBlockIO
 from rayvllm.kv_offload.host_tier import HostKVStore, HostKVTier
@@ -191,6 +193,10 @@ def test_config_validation_names_the_field(tiny_model_dir: Path) -> None:
         build(kv_offloading_size=1, kv_offloading_backend="ray", distributed_executor_backend="uni")
     with pytest.raises(InvalidParameterError, match="kv_offloading_size"):
         EngineArgs.from_dict({"kv_offloading_size": "lots"})
+    parser = argparse.ArgumentParser()
+    add_model_args(parser, EngineArgs)
+    ns = parser.parse_args(["--kv-offloading-size", "0.5", "--kv-offloading-backend", "ray"])
+    assert given_args(ns, EngineArgs) == {"kv_offloading_size": 0.5, "kv_offloading_backend": "ray"}
     config = EngineArgs(model=str(tiny_model_dir), kv_offloading_size=0.5).create_engine_config()
     oc = config.kv_offload_config
     assert oc is not None and (oc.backend, oc.size_bytes, oc.tier_name) == ("native", 1 << 29, "host")
@@ -208,13 +214,17 @@ def _docs(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(5, 4000) for _ in range(length)] for _ in range(n)]
 
 
-def test_greedy_parity_with_blocks_loaded_from_the_host_tier(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "engine", [{}, {"async_scheduling": True, "max_num_batched_tokens": 32}], ids=["sync", "async-chunked"]
+)
+def test_greedy_parity_with_blocks_loaded_from_the_host_tier(tiny_model_dir: Path, engine: dict) -> None:
     """Six 64-token documents through a pool of 12 blocks: by the second
     round each document's blocks were evicted, so its prefix comes back
-    from the tier, and the tokens still match transformers."""
+    from the tier, and the tokens still match transformers (also with the
+    next step scheduled while a load runs, and prompts in chunks)."""
     llm = LLM(
         model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=13, max_model_len=128,
-        max_num_seqs=2, kv_offloading_size=1 / 1024,
+        max_num_seqs=2, kv_offloading_size=1 / 1024, **engine,
     )
     core = llm.llm_engine.engine_core
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
