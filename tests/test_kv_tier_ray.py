@@ -184,19 +184,23 @@ def test_a_second_engine_loads_what_the_first_computed(fingerprint: str, tiny_mo
         second.shutdown()
 
 
-def test_tensor_parallel_ranks_store_and_load_their_own_shards(fingerprint: str, tiny_model_dir: Path) -> None:
-    """TP 2 (two WorkerActors): each rank puts its half of every evicted
-    block; a block counts as held once both halves are in, and the reload
-    gives transformers' tokens."""
-    tp_args = dict(ENGINE, tensor_parallel_size=2)
+@pytest.mark.parametrize("backend", ["native", "ray"])
+def test_tensor_parallel_ranks_store_and_load_their_own_shards(
+    fingerprint: str, tiny_model_dir: Path, backend: str
+) -> None:
+    """TP 2 (two WorkerActors): each rank stores its half of every evicted
+    block (in its own memory, or as its own object, a block counting as
+    held once both halves are in), and the reload gives transformers' tokens."""
+    tp_args = dict(ENGINE, tensor_parallel_size=2, kv_offloading_backend=backend)
     oc = EngineArgs(model=str(tiny_model_dir), **tp_args).create_engine_config().kv_offload_config
     assert oc is not None and oc.fingerprint != fingerprint  # another layout, another directory
     llm = LLM(model=str(tiny_model_dir), **tp_args)
     try:
         for prompt in [DOC + [7, 8, 9]] + [other + [7] for other in OTHERS]:
             llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
-        directory = ray.get_actor(directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE)
-        assert ray.get(directory.lookup.remote(hash_request_tokens(BLOCK, DOC))) == 4
+        if backend == "ray":
+            directory = ray.get_actor(directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE)
+            assert ray.get(directory.lookup.remote(hash_request_tokens(BLOCK, DOC))) == 4
         core = llm.llm_engine.engine_core
         core.make_stats()
         (out,) = llm.generate({"prompt_token_ids": DOC + [10, 11]}, PARAMS, use_tqdm=False)
@@ -205,4 +209,5 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(fingerprint: str,
         assert out.outputs[0].token_ids == hf_greedy(tiny_model_dir, DOC + [10, 11])[0][:NUM_NEW]
     finally:
         llm.shutdown()
-        ray.kill(ray.get_actor(directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE))
+        if backend == "ray":
+            ray.kill(ray.get_actor(directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE))
