@@ -313,3 +313,52 @@ def test_dp_routes_to_the_rank_whose_host_tier_holds_the_prefix(tiny_model_dir: 
         assert tokens["again"] == hf_greedy(tiny_model_dir, doc + [10, 11])[0][:6]
     finally:
         core.shutdown()
+
+
+def test_scheduler_parks_a_loading_request_and_resumes_or_drops_it() -> None:
+    from rayvllm.config import CacheConfig, SchedulerConfig
+    from rayvllm.core.sched.scheduler import Scheduler
+    from rayvllm.engine_types import ModelRunnerOutput
+
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=BS, num_blocks=5),
+        kv_tier=HostKVTier(10 * PER_BLOCK, PER_BLOCK),
+    )
+
+    def step(*sampled: str) -> tuple[list[str], KVTransfers | None]:
+        so = sched.schedule()
+        sched.update_from_output(so, ModelRunnerOutput(list(sampled), [5] * len(sampled), None, {}))
+        return list(so.num_scheduled_tokens), so.kv_transfers
+
+    for req_id, tokens in (("a", A), ("b", B)):
+        sched.add_request(_request(req_id, tokens))
+        assert step(req_id)[0] == [req_id]
+        sched.abort_requests([req_id])  # its blocks stay cached, then b's push a's out
+    for req_id in ("c", "d"):
+        sched.add_request(_request(req_id, A))
+    so = sched.schedule()
+    # Both load a's two blocks, each into blocks of its own (a step with no
+    # tokens: nothing to compute yet), and wait meanwhile.
+    assert so.num_scheduled_tokens == {} and not so.is_empty
+    assert so.kv_transfers is not None and so.kv_transfers.load_req_ids == ["c", "d"]
+    assert [b for b, _ in so.kv_transfers.loads] == [1, 2, 3, 4]
+    assert list(sched.loading) == ["c", "d"] and sched.make_stats().num_waiting_reqs == 2
+    sched.update_from_output(so, ModelRunnerOutput([], [], None, {}))
+    # Back in their order, each computes its last token only.
+    assert step("c", "d")[0] == ["c", "d"]
+    assert [r.num_cached_tokens for r in sched.running] == [8, 8]
+
+    # Aborted while its copy runs: gone, and the returning step is harmless.
+    for req_id in ("c", "d"):
+        sched.abort_requests([req_id])
+    sched.add_request(_request("e", B))
+    step("e")
+    sched.abort_requests(["e"])
+    sched.add_request(_request("f", A))
+    so = sched.schedule()
+    assert so.kv_transfers is not None and so.kv_transfers.load_req_ids == ["f"]
+    assert sched.abort_requests(["f"]) == ["f"] and not sched.loading
+    sched.update_from_output(so, ModelRunnerOutput([], [], None, {}))
+    assert not sched.has_unfinished_requests() and len(sched.waiting) == 0
+    assert sched.kv_cache_manager.num_free_blocks == 4
