@@ -13,7 +13,8 @@ and answer, and a new `--question-len`-token question; its answer is
 chat, then turn 2, ...), all chats of a round in one batch, so a
 document's blocks have left the pool by its next turn whenever the
 documents outgrow it: each rank's pool holds `--pool-frac` of the
-documents' blocks (and at least one longest chat).
+documents' blocks (and at least one longest chat); keep it above
+`--max-num-seqs` longest chats, or preemption swamps the comparison.
 
 Topologies (all on Ray):
 - dp2: one engine with data_parallel_size=2 (requests routed by prefix);
@@ -143,7 +144,7 @@ def main() -> None:
     p.add_argument("--answer-len", type=int, default=16)
     p.add_argument("--pool-frac", type=float, default=0.25)
     p.add_argument("--tier-gib", type=float, default=1.0)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=2, help="per rank; the pool must hold this many chats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
