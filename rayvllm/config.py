@@ -14,6 +14,7 @@ import torch
 
 from rayvllm.errors import InvalidParameterError
 from rayvllm.lora.config import LoRAConfig
+from rayvllm.kv_offload.config import KVOffloadConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -362,6 +363,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # Set exactly when LoRA adapters are enabled (`enable_lora`).
     lora_config: LoRAConfig | None = None
+    # The second KV tier behind each rank's block pool (None: none).
+    kv_offload_config: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

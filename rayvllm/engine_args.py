@@ -28,6 +28,7 @@ from rayvllm.config import (
 )
 from rayvllm.errors import InvalidParameterError
 from rayvllm.lora.config import LoRAConfig
+from rayvllm.kv_offload.config import GIB, KVOffloadConfig, kv_layout_fingerprint
 
 
 class EngineArgs(BaseModel):
@@ -85,6 +86,11 @@ class EngineArgs(BaseModel):
     max_loras: int | None = None
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
+    # vLLM's KV offloading: a second tier of this many GiB behind the KV
+    # cache, "native" (host memory) or "ray" (the Ray object store, shared
+    # by DP ranks and replicas of the same model; implies the Ray runtime).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
@@ -174,12 +180,39 @@ class EngineArgs(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
+            distributed_executor_backend=self._resolve_executor_backend(),
             placement_group_strategy=self.placement_group_strategy,
             num_cpus_per_worker=self.num_cpus_per_worker,
             placement_group_timeout_s=self.placement_group_timeout_s,
             distributed_timeout_s=self.distributed_timeout_s,
         )
+
+    def _resolve_executor_backend(self) -> str | None:
+        """The Ray object store tier runs where Ray does."""
+        if self.kv_offloading_size is None or self.kv_offloading_backend != "ray":
+            return self.distributed_executor_backend
+        if self.distributed_executor_backend == "uni":
+            raise InvalidParameterError(
+                "kv_offloading_backend", "'ray' needs the Ray runtime, not distributed_executor_backend='uni'"
+            )
+        return "ray"
+
+    def create_kv_offload_config(self, model_config: ModelConfig, pc: ParallelConfig) -> KVOffloadConfig | None:
+        """The second KV tier, or None when `kv_offloading_size` is unset."""
+        size = self.kv_offloading_size
+        if size is None:
+            if self.kv_offloading_backend != "native":
+                raise InvalidParameterError("kv_offloading_backend", "is set but kv_offloading_size is not")
+            return None
+        if not self.enable_prefix_caching:
+            raise InvalidParameterError(
+                "kv_offloading_size", "needs enable_prefix_caching (the tier keeps blocks by prefix hash)"
+            )
+        fingerprint = kv_layout_fingerprint(
+            str(Path(model_config.model).resolve()), model_config.hf_config, model_config.dtype,
+            self.block_size, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+        )
+        return KVOffloadConfig(self.kv_offloading_backend, int(size * GIB), fingerprint)
 
     def create_engine_config(self) -> EngineConfig:
         device = self.resolve_device()
@@ -222,6 +255,7 @@ class EngineArgs(BaseModel):
             enforce_eager=self.enforce_eager,
             speculative_config=self.create_speculative_config(model_config),
             lora_config=self.create_lora_config(),
+            kv_offload_config=self.create_kv_offload_config(model_config, parallel_config),
         )
 
     def create_speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:

@@ -73,6 +73,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists]
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
     spec_decode: SpecDecodeOutput | None = None
+    # Blocks whose copy in from the second KV tier failed (kv_offload/).
+    kv_load_failures: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -195,6 +197,30 @@ class SpecDecodingStats:
 
 
 @dataclass
+class KVOffloadStats:
+    """Second-KV-tier counters of one interval (kv_offload/manager.py).
+
+    `queries`: tokens looked up in the tier past the pool's own hits;
+    `hits`: tokens copied in from it (then counted again as prefix-cache
+    hits, where the request finds them); `stores`, `evictions`,
+    `load_failures`: blocks; `bytes_*`: over the whole worker group."""
+
+    tier: str = ""
+    queries: int = 0
+    hits: int = 0
+    stores: int = 0
+    evictions: int = 0
+    load_failures: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+
+    def add(self, other: "KVOffloadStats") -> None:
+        self.tier = self.tier or other.tier
+        for name in ("queries", "hits", "stores", "evictions", "load_failures", "bytes_stored", "bytes_loaded"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
@@ -204,6 +230,7 @@ class SchedulerStats:
     # DP ranks whose dead worker group the core rebuilt (cumulative).
     num_rank_rebuilds: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None
+    kv_offload_stats: KVOffloadStats | None = None
 
     @classmethod
     def combine(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":
@@ -211,12 +238,16 @@ class SchedulerStats:
         pools are the same size)."""
         prefix = PrefixCacheStats()
         spec = None
+        offload: KVOffloadStats | None = None
         for s in per_rank:
             prefix.add(s.prefix_cache_stats)
             if s.spec_decoding_stats is not None:
                 if spec is None:
                     spec = SpecDecodingStats(s.spec_decoding_stats.num_spec_tokens)
                 spec.add(s.spec_decoding_stats)
+            if s.kv_offload_stats is not None:
+                offload = offload or KVOffloadStats()
+                offload.add(s.kv_offload_stats)
         return cls(
             num_running_reqs=sum(s.num_running_reqs for s in per_rank),
             num_waiting_reqs=sum(s.num_waiting_reqs for s in per_rank),
@@ -224,6 +255,7 @@ class SchedulerStats:
             prefix_cache_stats=prefix,
             num_preemptions=sum(s.num_preemptions for s in per_rank),
             spec_decoding_stats=spec,
+            kv_offload_stats=offload,
         )
 
 

@@ -14,8 +14,9 @@ Three feeds update it, each from the engine side that knows the numbers:
 - `record_tokens(num_prompt, num_generation)`: once per engine step: token
   throughput counters.
 - `record_scheduler_stats(stats)`: whenever the engine reads
-  `SchedulerStats`: the gauges, and the preemption, prefix-cache and
-  speculative-decoding counters (the last only with `num_speculative_tokens`).
+  `SchedulerStats`: the gauges, and the preemption, prefix-cache,
+  speculative-decoding (only with `num_speculative_tokens`) and
+  second-KV-tier (`rayvllm:kv_offload_*`, labelled by `tier`) counters.
 
 `render()` gives the text exposition for a `/metrics` endpoint.
 """
@@ -66,6 +67,20 @@ TPOT_BUCKETS_S: tuple[float, ...] = (
 # The finish reasons a `CompletionOutput` can end with; the label's values
 # are limited to these so the series count stays bounded.
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+# The second KV tier's kinds (KVOffloadConfig.tier_name), the `tier` label's values.
+KV_OFFLOAD_TIERS: tuple[str, ...] = ("host", "ray")
+
+# KVOffloadStats field -> (metric name, help); all are counters.
+_KV_OFFLOAD_COUNTERS: dict[str, tuple[str, str]] = {
+    "queries": ("rayvllm:kv_offload_queries", "Prompt tokens looked up in the second KV tier past the pool's hits."),
+    "hits": ("rayvllm:kv_offload_hits", "Prompt tokens copied in from the second KV tier (prefix hits by tier)."),
+    "stores": ("rayvllm:kv_offload_stores", "KV blocks stored in the second tier on eviction from the pool."),
+    "evictions": ("rayvllm:kv_offload_evictions", "KV blocks the second tier evicted to stay in its size."),
+    "load_failures": ("rayvllm:kv_offload_load_failures", "KV blocks that failed to load (recomputed instead)."),
+    "bytes_stored": ("rayvllm:kv_offload_stored_bytes", "Bytes of KV stored in the second tier."),
+    "bytes_loaded": ("rayvllm:kv_offload_loaded_bytes", "Bytes of KV loaded from the second tier."),
+}
 
 _DEFAULT_MAX_MODEL_LEN = 131072
 
@@ -208,6 +223,11 @@ class EngineMetrics:
                 registry=reg,
             )
             self._spec_per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)]
+        self._kv_offload: dict[str, dict[str, Counter]] = {tier: {} for tier in KV_OFFLOAD_TIERS}
+        for field_name, (name, doc) in _KV_OFFLOAD_COUNTERS.items():
+            metric = Counter(name, doc, ("model_name", "tier"), registry=reg)
+            for tier in KV_OFFLOAD_TIERS:
+                self._kv_offload[tier][field_name] = metric.labels(model_name, tier)
 
     # ------------------------------------------------------------ per request
 
@@ -320,6 +340,11 @@ class EngineMetrics:
         prefix = stats.prefix_cache_stats
         self._prefix_queries.inc(prefix.queries)
         self._prefix_hits.inc(prefix.hits)
+        offload = stats.kv_offload_stats
+        if offload is not None and offload.tier in self._kv_offload:
+            # Per interval, like the prefix-cache counts.
+            for field_name, child in self._kv_offload[offload.tier].items():
+                child.inc(getattr(offload, field_name))
 
         with self._lock:
             current = stats.num_preemptions

@@ -15,11 +15,14 @@ freed, never cached. Usable block ids are ``1 .. num_blocks - 1``.
 An optional `BlockPoolListener` sees the set of cached hashes change (a hash
 appears, a hash disappears), which is what a cross-pool prefix index needs to
 route requests between data-parallel ranks without asking each pool.
+An optional `on_evict(block)` callback sees each block whose hash's last
+copy is about to be overwritten, while its KV is still intact: what a
+second KV tier stores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -196,6 +199,7 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool,
         listener: BlockPoolListener | None = None,
+        on_evict: Callable[[KVCacheBlock], None] | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
@@ -210,6 +214,7 @@ class BlockPool:
         # lookups are deterministic when duplicates exist.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.listener = listener
+        self.on_evict = on_evict
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block holding `block_hash`'s KV, owned or free-but-cached, or None."""
@@ -325,6 +330,8 @@ class BlockPool:
         if entry is not None:
             entry.pop(block.block_id, None)
             if not entry:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self.cached_block_hash_to_block[block_hash]
                 if self.listener is not None:
                     self.listener.on_block_evicted(block_hash)

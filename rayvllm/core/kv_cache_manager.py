@@ -9,6 +9,12 @@ The scheduler speaks only tokens to this class:
    blocks, or None when the pool cannot supply them (then nothing changed);
 3. ``free(request)`` when it finishes or is preempted.
 
+With a second KV tier (`kv_tier`), evicted cached blocks are stored there,
+and between 1 and 2 ``load_from_tier(request, hits)`` may instead start
+copying the request's next blocks in from the tier (the request then waits
+for its step to come back: ``finish_transfers``); each step carries the
+copies as ``take_transfers()``. kv_offload/manager.py has the protocol.
+
 The two first calls must be made back to back for one request (no other
 allocation in between), because the hit blocks may be free-but-cached and could
 otherwise be evicted before they are touched.
@@ -25,7 +31,9 @@ from collections.abc import Sequence
 
 from rayvllm.core.block_pool import BlockPool, BlockPoolListener, KVCacheBlock
 from rayvllm.core.kv_cache_utils import BlockHash, hash_block_tokens, request_extra_keys
-from rayvllm.engine_types import PrefixCacheStats
+from rayvllm.engine_types import KVOffloadStats, PrefixCacheStats
+from rayvllm.kv_offload.manager import KVOffloadManager
+from rayvllm.kv_offload.tier import KVTier, KVTransfers
 from rayvllm.request import Request
 
 
@@ -51,6 +59,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         *,
         listener: BlockPoolListener | None = None,
+        kv_tier: KVTier | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -62,6 +71,10 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.offload: KVOffloadManager | None = None
+        if kv_tier is not None and enable_caching:
+            self.offload = KVOffloadManager(kv_tier, self.block_pool, block_size)
+            self.block_pool.on_evict = self.offload.on_evict
 
     # ------------------------------------------------------------------ queries
 
@@ -118,6 +131,40 @@ class KVCacheManager:
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    # ------------------------------------------------------------ second tier
+
+    def load_from_tier(self, request: Request, hit_blocks: Sequence[KVCacheBlock]) -> bool:
+        """After `get_computed_blocks` found `hit_blocks`: True when the tier
+        holds the request's next blocks and a copy into fresh blocks is
+        queued for this step; the request must then wait for
+        `finish_transfers` to name it, and not be allocated meanwhile."""
+        if self.offload is None or not request.reads_prefix_cache:
+            return False
+        hashes = self.req_to_block_hashes.get(request.request_id, [])
+        max_blocks = max(request.num_tokens - 1, 0) // self.block_size
+        if not self.offload.start_load(request.request_id, hashes, hit_blocks, max_blocks):
+            return False
+        # The lookup is counted again, hits included, when the request is scheduled.
+        stats = self.prefix_cache_stats
+        stats.requests -= 1
+        stats.queries -= request.num_tokens
+        stats.hits -= len(hit_blocks) * self.block_size
+        return True
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The tier copies this step's workers must make (None: none)."""
+        return self.offload.take_transfers() if self.offload is not None else None
+
+    def finish_transfers(self, transfers: KVTransfers, failed_block_ids: Sequence[int]) -> list[str]:
+        """A step carrying `transfers` came back: the requests whose loads
+        are done and that may be scheduled again."""
+        assert self.offload is not None
+        return self.offload.finish(transfers, failed_block_ids)
+
+    def make_offload_stats(self) -> KVOffloadStats | None:
+        """Tier counters since the previous call; None without a tier."""
+        return self.offload.make_stats() if self.offload is not None else None
 
     # --------------------------------------------------------------- allocation
 
@@ -203,6 +250,8 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(req_id, None)
         self.req_to_block_hashes.pop(req_id, None)
+        if self.offload is not None:
+            self.offload.release(req_id)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes; False (and nothing done) while blocks are owned."""

@@ -7,6 +7,11 @@ rank could serve from its cache, without touching any pool.
 
 Ranks are stored as bit masks (bit ``r`` set = rank ``r`` holds the hash), so
 one dict lookup and one AND per block advance every rank's prefix walk at once.
+
+A rank's own second KV tier (host memory, kv_offload/) reports through
+`tier_listener(rank)` into bit ``num_ranks + r``: a block there is a copy
+away, so for routing it counts as held. (The Ray tier is shared by every
+rank, so it prefers none and reports nothing.)
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ class PrefixIndex:
     removed); bit ``r`` of ``_ranks[h]`` is set iff rank ``r``'s pool has
     ``h`` among its cached hashes, given that rank's pool was built with
     ``listener(r)`` and started empty (or was reset) when the listener was
-    attached. ``_num_hashes[r]`` counts the hashes with bit ``r`` set.
+    attached. ``_num_hashes[s]`` counts the hashes with bit ``s`` set (pool
+    bits ``0 .. num_ranks - 1``, then the tiers' bits).
     """
 
     def __init__(self, num_ranks: int) -> None:
@@ -33,28 +39,38 @@ class PrefixIndex:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.num_ranks = num_ranks
         self._ranks: dict[BlockHash, int] = {}
-        self._num_hashes: list[int] = [0] * num_ranks
+        self._num_hashes: list[int] = [0] * (2 * num_ranks)
 
     def listener(self, rank: int) -> BlockPoolListener:
         """The adaptor to pass as ``listener=`` to rank `rank`'s pool."""
         self._check_rank(rank)
         return _RankListener(self, rank, 1 << rank)
 
+    def tier_listener(self, rank: int) -> BlockPoolListener:
+        """The adaptor for rank `rank`'s own second KV tier (its hashes
+        appear and disappear as the tier stores and evicts them)."""
+        self._check_rank(rank)
+        slot = self.num_ranks + rank
+        return _RankListener(self, slot, 1 << slot)
+
     # ------------------------------------------------------------------ queries
 
     def longest_prefix_hits(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """For each rank, how many *leading* hashes of the chain it holds.
+        """For each rank, how many *leading* hashes of the chain it holds
+        in its pool or its own tier.
 
         The walk for a rank stops at its first miss: hashes chain, so a later
         block cannot be served without the earlier ones even if present.
         Costs one dict lookup per block until every rank has missed.
         """
-        all_ranks = (1 << self.num_ranks) - 1
-        hits = [len(block_hashes)] * self.num_ranks
+        n = self.num_ranks
+        all_ranks = (1 << n) - 1
+        hits = [len(block_hashes)] * n
         alive = all_ranks
         table = self._ranks
         for i, block_hash in enumerate(block_hashes):
-            still = alive & table.get(block_hash, 0)
+            mask = table.get(block_hash, 0)
+            still = alive & (mask | mask >> n)
             dropped = alive & ~still
             while dropped:
                 low = dropped & -dropped
@@ -66,7 +82,7 @@ class PrefixIndex:
         return hits
 
     def ranks_holding(self, block_hash: BlockHash) -> frozenset[int]:
-        """The ranks whose pools currently cache `block_hash`."""
+        """The ranks whose pools (not tiers) currently cache `block_hash`."""
         mask = self._ranks.get(block_hash, 0)
         return frozenset(r for r in range(self.num_ranks) if mask >> r & 1)
 
@@ -76,7 +92,7 @@ class PrefixIndex:
         return self._num_hashes[rank]
 
     def __len__(self) -> int:
-        """Distinct hashes cached by at least one rank."""
+        """Distinct hashes cached by at least one rank's pool or tier."""
         return len(self._ranks)
 
     def __contains__(self, block_hash: object) -> bool:
@@ -85,19 +101,20 @@ class PrefixIndex:
     # ---------------------------------------------------------------- mutation
 
     def clear_rank(self, rank: int) -> None:
-        """Forget everything rank `rank` held, e.g. when its pool is replaced
-        by a fresh one after a failure (a new pool sends no evictions for the
-        old pool's hashes). O(len(self))."""
+        """Forget everything rank `rank` held in its pool and its tier, e.g.
+        when they are replaced by fresh ones after a failure (a new pool
+        sends no evictions for the old pool's hashes). O(len(self))."""
         self._check_rank(rank)
-        bit = 1 << rank
+        tier_slot = self.num_ranks + rank
+        bits = 1 << rank | 1 << tier_slot
         table = self._ranks
-        for block_hash in [h for h, m in table.items() if m & bit]:
-            remaining = table[block_hash] & ~bit
+        for block_hash in [h for h, m in table.items() if m & bits]:
+            remaining = table[block_hash] & ~bits
             if remaining:
                 table[block_hash] = remaining
             else:
                 del table[block_hash]
-        self._num_hashes[rank] = 0
+        self._num_hashes[rank] = self._num_hashes[tier_slot] = 0
 
     def _add(self, block_hash: BlockHash, rank: int, bit: int) -> None:
         mask = self._ranks.get(block_hash, 0)
@@ -126,7 +143,8 @@ class PrefixIndex:
 
 @dataclass(frozen=True, slots=True)
 class _RankListener:
-    """Forwards one rank's pool events to the shared index; `bit == 1 << rank`."""
+    """Forwards one rank's pool (or tier) events to the shared index;
+    `rank` is the slot counted, `bit == 1 << rank`."""
 
     index: PrefixIndex
     rank: int

@@ -43,6 +43,7 @@ from rayvllm.engine.rank_recovery import RankRecovery
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.factory import create_executor
+from rayvllm.kv_offload.factory import create_kv_tier
 from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.request import EngineCoreRequest, Request
 
@@ -108,12 +109,14 @@ class EngineCore:
 
     def _make_scheduler(self, rank: int) -> Scheduler:
         pc = self.config.parallel_config
+        index = self.prefix_index
         return Scheduler(
             self.config.scheduler_config,
             self.config.cache_config,
             send_token_ids=pc.world_size > 1,
             max_inflight_steps=self.max_inflight,
-            listener=self.prefix_index.listener(rank) if self.prefix_index is not None else None,
+            listener=index.listener(rank) if index is not None else None,
+            kv_tier=create_kv_tier(self.config, index.tier_listener(rank) if index is not None else None),
             speculative_config=self.config.speculative_config,
             max_loras=self.config.lora_config.max_loras if self.config.lora_config is not None else None,
         )

@@ -30,6 +30,7 @@ from rayvllm.engine_types import (
     EngineCoreInput,
     EngineCoreOutput,
     EngineCoreOutputs,
+    KVOffloadStats,
     PrefixCacheStats,
     SchedulerStats,
 )
@@ -90,6 +91,7 @@ class RayEngineCoreClient:
         self._sent = 0  # inputs sent so far
         self._applied = 0  # of those, how many the loop has applied (as of its latest push)
         self._prefix_stats = PrefixCacheStats()  # pushed since the last `make_stats`
+        self._offload_stats: KVOffloadStats | None = None  # likewise
         self._stats: SchedulerStats | None = None
         self._recv()  # the loop's first push: its stats before any step
 
@@ -165,6 +167,10 @@ class RayEngineCoreClient:
         self._applied = message.inputs_applied
         self._stats = message.scheduler_stats
         self._prefix_stats.add(message.scheduler_stats.prefix_cache_stats)
+        offload = message.scheduler_stats.kv_offload_stats
+        if offload is not None:
+            self._offload_stats = self._offload_stats or KVOffloadStats()
+            self._offload_stats.add(offload)
         return message.outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -172,7 +178,8 @@ class RayEngineCoreClient:
         every push since the previous call (each counted exactly once)."""
         assert self._stats is not None
         prefix, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
-        return dataclasses.replace(self._stats, prefix_cache_stats=prefix)
+        offload, self._offload_stats = self._offload_stats, None
+        return dataclasses.replace(self._stats, prefix_cache_stats=prefix, kv_offload_stats=offload)
 
     def check_health(self) -> None:
         ray.get(self.actor.check_health.remote())

@@ -64,7 +64,11 @@ class _PendingStep:
                         f"worker rank {rank} of DP rank {ex.dp_rank} ({ex._where(rank)}) is gone: {e!r}"
                     ) from e
                 del pending[rank]
-        return outputs[ex.driver_rank]
+        output = outputs[ex.driver_rank]
+        if len(outputs) > 1:
+            # A block is loaded only where every rank's shard of it loaded.
+            output.kv_load_failures = sorted({b for out in outputs.values() for b in out.kv_load_failures})
+        return output
 
     def done(self) -> bool:
         # Replies come in step order, so a ready channel holds this step's.

@@ -34,6 +34,8 @@ from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.lora.model_manager import LoRAModelManager
+from rayvllm.kv_offload.block_io import KVBlockIO
+from rayvllm.kv_offload.factory import create_kv_block_io
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
@@ -107,6 +109,7 @@ class ModelRunner:
         self.speculator = Speculator(spec, self) if spec is not None and self.parallel.is_driver else None
         # Adapter slots around the projections, when LoRA is enabled.
         self.lora: LoRAModelManager | None = None
+        self.kv_block_io: KVBlockIO | None = None
 
     # ---- setup -------------------------------------------------------------------
 
@@ -178,6 +181,8 @@ class ModelRunner:
         live teams slow every parallel region (kernels/omp_runtime.py); a
         thread that goes on to step simply makes its team again."""
         self.kv_caches = self._bind_kv_caches(num_blocks)
+        shard = self.parallel.pp_rank * self.parallel.tp_size + self.parallel.tp_rank
+        self.kv_block_io = create_kv_block_io(self.config, shard, self.kv_caches)
         if self._cuda_graphs_enabled():
             self._capture_cuda_graphs()
         release_thread_team()
@@ -425,8 +430,15 @@ class ModelRunner:
             )
         return metadata
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's copies to and from the second KV tier, then the step."""
+        failed = self.kv_block_io.apply(so.kv_transfers) if so.kv_transfers and self.kv_block_io else []
+        output = self._execute_model(so)
+        output.kv_load_failures = failed
+        return output
+
+    @torch.inference_mode()
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if self.lora is not None:
             self.lora.update(so)

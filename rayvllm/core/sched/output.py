@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rayvllm.lora.request import LoRARequest
+from rayvllm.kv_offload.tier import KVTransfers
 from rayvllm.pooling_params import PoolingParams
 from rayvllm.sampling_params import SamplingParams
 
@@ -49,7 +50,8 @@ class SchedulerOutput:
     `scheduled_new_reqs` / `scheduled_cached_reqs`; `total_num_scheduled_tokens`
     is the sum of `num_scheduled_tokens.values()` and never exceeds the budget.
     `finished_req_ids` and `preempted_req_ids` name requests whose worker-side
-    state must be dropped before this step runs.
+    state must be dropped before this step runs. `kv_transfers`: copies
+    between the KV cache and the second tier, made before the forward.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -62,7 +64,9 @@ class SchedulerOutput:
     # its last token (counted in `num_scheduled_tokens`), for every rank to
     # feed and the sampling rank to verify.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing for the workers to compute or copy."""
+        return self.total_num_scheduled_tokens == 0 and self.kv_transfers is None

@@ -5,6 +5,8 @@ chasing `num_tokens`, and each step hands out one budget of
 `max_num_batched_tokens` tokens, first to running requests (decode or the next
 chunk of a prefill), then to waiting ones (new, or resumed after preemption by
 recompute). Prefix-cache hits simply start a request with computed tokens.
+A request whose next blocks sit in the second KV tier waits one step in
+`loading` while they are copied in, then starts with them as hits.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rayvllm.engine_types import (
     SpecDecodeOutput,
     SpecDecodingStats,
 )
+from rayvllm.kv_offload.tier import KVTier
 from rayvllm.lora.slots import LoRASlots
 from rayvllm.request import FinishReason, Request, RequestStatus
 from rayvllm.spec_decode.eligibility import can_speculate
@@ -33,8 +36,8 @@ from rayvllm.spec_decode.eligibility import can_speculate
 class Scheduler:
     """Owns the request queues and, through `KVCacheManager`, the KV blocks.
 
-    Invariants: a request is in exactly one of `waiting` / `running` until it
-    finishes; every running request holds blocks for all its computed tokens;
+    Invariants: a request is in exactly one of `waiting` / `loading` /
+    `running` until it finishes; every running request holds blocks for all its computed tokens;
     `len(running) <= max_num_seqs`.
 
     Pipelining (`max_inflight_steps > 1`): several scheduled steps may be
@@ -70,6 +73,7 @@ class Scheduler:
         listener: BlockPoolListener | None = None,
         speculative_config: SpeculativeConfig | None = None,
         max_loras: int | None = None,
+        kv_tier: KVTier | None = None,
     ) -> None:
         """`max_loras`: LoRA on, with that many adapter slots (None: off)."""
         self.config = scheduler_config
@@ -82,6 +86,7 @@ class Scheduler:
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             listener=listener,
+            kv_tier=kv_tier,
         )
         # Ranks that do not sample need the sampled tokens in the next step.
         self.send_token_ids = send_token_ids
@@ -91,6 +96,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        # Waiting requests whose blocks are being copied in from the KV tier.
+        self.loading: dict[str, Request] = {}
         # Requests finished since the last step; the workers drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
@@ -118,7 +125,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self.loading.pop(req_id, None) is None:
                 self.waiting.remove(request)
             self._free_request(request, RequestStatus.FINISHED_ABORTED)
             aborted.append(req_id)
@@ -218,7 +225,8 @@ class Scheduler:
 
         # Then waiting requests, unless this step had to preempt (no room).
         if not preempted_ids and not out_of_blocks:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            # A request loading from the KV tier runs next: it holds a seat.
+            while len(self.waiting) and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
                 request = self.waiting.peek()
                 if self._wait_for_sibling(request):
                     break
@@ -226,6 +234,10 @@ class Scheduler:
                 if self.lora_slots is not None and not self.lora_slots.can_admit(request):
                     break
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
+                if kv.load_from_tier(request, hit_blocks):
+                    self.waiting.pop()
+                    self.loading[request.request_id] = request
+                    continue
                 num_new = request.num_tokens - num_hit
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
@@ -273,6 +285,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_ids,
             scheduled_spec_decode_tokens=spec_tokens,
+            kv_transfers=kv.take_transfers(),
         )
         self.finished_req_ids = set()
         return output
@@ -370,6 +383,15 @@ class Scheduler:
                 live = self.requests.get(req_id)
                 if live is not None:
                     live.num_inflight_steps -= 1
+        if scheduler_output.kv_transfers is not None:
+            done = self.kv_cache_manager.finish_transfers(
+                scheduler_output.kv_transfers, runner_output.kv_load_failures
+            )
+            # Back to the front, in the order they left.
+            for req_id in reversed(done):
+                request = self.loading.pop(req_id, None)
+                if request is not None:
+                    self.waiting.prepend(request)
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         emitted: set[str] = set()
@@ -483,9 +505,10 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.loading),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=None if self.spec_decoding_stats is None else self.spec_decoding_stats.copy(),
+            kv_offload_stats=self.kv_cache_manager.make_offload_stats(),
         )
