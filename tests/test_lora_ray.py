@@ -22,7 +22,7 @@ from lora_oracle import build_adapter, peft_greedy  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
