@@ -71,7 +71,9 @@ class KVOffloadManager:
         self.stats.queries += len(wanted) * self.block_size
         pool = self.pool
         num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
-        n = min(self.tier.lookup(wanted), pool.get_num_free_blocks() - num_evictable_hits)
+        room = pool.get_num_free_blocks() - num_evictable_hits
+        # The Ray tier's look-up is a call to its directory: not when futile.
+        n = min(self.tier.lookup(wanted), room) if room > 0 else 0
         if n <= 0:
             return False
         held = list(hit_blocks)
