@@ -338,15 +338,16 @@ def test_scheduler_parks_a_loading_request_and_resumes_or_drops_it() -> None:
     for req_id in ("c", "d"):
         sched.add_request(_request(req_id, A))
     so = sched.schedule()
-    # Both load a's two blocks, each into blocks of its own (a step with no
-    # tokens: nothing to compute yet), and wait meanwhile.
+    # c loads a's two blocks (a step with no tokens: nothing to compute
+    # yet); d, wanting the same, follows c's load instead of copying again.
     assert so.num_scheduled_tokens == {} and not so.is_empty
     assert so.kv_transfers is not None and so.kv_transfers.load_req_ids == ["c", "d"]
-    assert [b for b, _ in so.kv_transfers.loads] == [1, 2, 3, 4]
+    assert so.kv_transfers.loads == [(1, _h(A)[0]), (2, _h(A)[1])]
     assert list(sched.loading) == ["c", "d"] and sched.make_stats().num_waiting_reqs == 2
     sched.update_from_output(so, ModelRunnerOutput([], [], None, {}))
-    # Back in their order, each computes its last token only.
+    # Back in their order, each computes its last token only, on blocks 1 and 2.
     assert step("c", "d")[0] == ["c", "d"]
+    assert [sched.kv_cache_manager.get_block_ids(r) for r in ("c", "d")] == [[1, 2, 3], [1, 2, 4]]
     assert [r.num_cached_tokens for r in sched.running] == [8, 8]
 
     # Aborted while its copy runs: gone, and the returning step is harmless.

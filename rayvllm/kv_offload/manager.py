@@ -62,7 +62,9 @@ class KVOffloadManager:
     ) -> bool:
         """Queue a load of the blocks after `hit_blocks` (up to `max_blocks`
         in all) that the tier holds; False (nothing done) when it holds
-        none, the pool lacks room, or the request looked already."""
+        none, the pool lacks room, or the request looked already. A request
+        whose next block another request is loading already follows that
+        load instead (it waits for a step after it, copying nothing)."""
         start = len(hit_blocks)
         if start >= max_blocks or req_id in self._looked_up:
             return False
@@ -70,26 +72,34 @@ class KVOffloadManager:
         wanted = block_hashes[start:max_blocks]
         self.stats.queries += len(wanted) * self.block_size
         pool = self.pool
+        if any(wanted[0] in load.hashes for load in self.loads.values()):
+            self._start(req_id, list(hit_blocks), [])
+            return True
         num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
-        n = min(self.tier.lookup(wanted), pool.get_num_free_blocks() - num_evictable_hits)
+        room = pool.get_num_free_blocks() - num_evictable_hits
+        # The Ray tier's look-up is a call to its directory: not when futile.
+        n = min(self.tier.lookup(wanted), room) if room > 0 else 0
         if n <= 0:
             return False
-        held = list(hit_blocks)
-        pool.touch(held)
-        blocks = pool.get_new_blocks(n)
-        hashes = list(wanted[:n])
-        self.loads[req_id] = _Load(held, blocks, hashes)
-        self._transfers.loads += [(b.block_id, h) for b, h in zip(blocks, hashes)]
-        self._transfers.load_req_ids.append(req_id)
+        self._start(req_id, list(hit_blocks), list(wanted[:n]))
         return True
 
+    def _start(self, req_id: str, hit_blocks: list[KVCacheBlock], hashes: list[BlockHash]) -> None:
+        """Hold the hits, allocate a block per hash and queue the copies."""
+        self.pool.touch(hit_blocks)
+        blocks = self.pool.get_new_blocks(len(hashes))
+        self.loads[req_id] = _Load(hit_blocks, blocks, hashes)
+        self._transfers.loads += [(b.block_id, h) for b, h in zip(blocks, hashes)]
+        self._transfers.load_req_ids.append(req_id)
+
     def take_transfers(self) -> KVTransfers | None:
-        """This step's transfers (None when there are none)."""
+        """This step's transfers (None when there are none; a step that
+        only carries requests following earlier loads is not empty)."""
         transfers = self._transfers
         drops = self.tier.take_drops()
         transfers.drops += drops
         self.stats.evictions += len(drops)
-        if not transfers:
+        if not transfers and not transfers.load_req_ids:
             return None
         self._transfers = KVTransfers()
         return transfers
