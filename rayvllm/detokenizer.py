@@ -421,17 +421,26 @@ class RequestDetokenizer:
         a stop token id); its text is left out unless include_stop_str_in_output.
         `final`: the engine will send nothing more, so pending partial
         characters are flushed. Returns the stop string found, or None.
+        Several ids at once (a speculative step's accepted run) are checked
+        one by one, so ids after the one that completes a stop string are
+        dropped, as a step-by-step run never produces them.
         """
         if self._finished:
             return None
         skip_last = bool(new_token_ids) and stop_terminated and not self.include_stop_str_in_output
         to_decode = new_token_ids[:-1] if skip_last else new_token_ids
         check_from = len(self.output_text)
+        each = self.stop and len(to_decode) > 1
         for token_id in to_decode:
             self.output_token_ids.append(token_id)
             self.output_text += self._decoder.decode_next(token_id)
             if len(self.output_token_ids) <= self.min_tokens:
                 # vLLM: text of the first min_tokens tokens cannot stop a request.
+                check_from = len(self.output_text)
+            elif each:
+                stop_str = self._stop_string(check_from)
+                if stop_str is not None:
+                    return stop_str
                 check_from = len(self.output_text)
         if skip_last:
             self.output_token_ids.append(new_token_ids[-1])
@@ -440,6 +449,11 @@ class RequestDetokenizer:
             self._finished = True
         if not self.stop or len(self.output_token_ids) <= self.min_tokens:
             return None
+        return self._stop_string(check_from)
+
+    def _stop_string(self, check_from: int) -> str | None:
+        """The stop string ending in the text after `check_from`, if any:
+        then the text is cut at it and the sequence is finished."""
         match = check_stop_strings(
             self.output_text, len(self.output_text) - check_from, self.stop, self.include_stop_str_in_output
         )

@@ -438,23 +438,27 @@ class OutputProcessor:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
                 metrics.last_token_time = now
-                metrics.num_generation_tokens += len(new_ids)
             # Fixed at first scheduling; outputs that only carry prompt
             # logprobs may leave it at 0, so never let one lower it.
             if out.num_cached_tokens > state.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
-            if out.new_logprobs is not None:
-                state.add_logprobs(out.new_logprobs, self._decode_token)
             if out.new_prompt_logprobs is not None:
                 state.add_prompt_logprobs(out.new_prompt_logprobs, self._decode_token)
 
             finish_reason = out.finish_reason
             stop_reason = out.stop_reason
+            num_before = len(state.detokenizer.output_token_ids)
             stop_str = state.detokenizer.update(
                 new_ids,
                 stop_terminated=finish_reason is FinishReason.STOP,
                 final=finish_reason is not None,
             )
+            # A stop string inside a speculative step's run drops the ids after it.
+            kept = len(state.detokenizer.output_token_ids) - num_before
+            metrics.num_generation_tokens += kept
+            if out.new_logprobs is not None:
+                rows = out.new_logprobs if kept == len(new_ids) else out.new_logprobs.slice(0, kept)
+                state.add_logprobs(rows, self._decode_token)
             if stop_str is not None:
                 # A stop string wins even when the core ended the request in
                 # the same step (length): the text was cut at it.

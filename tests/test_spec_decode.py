@@ -109,16 +109,21 @@ def test_stops_max_tokens_and_logprobs_inside_accepted_runs(draft_pair: tuple[Pa
     spec = LLM(str(target), **ENGINE, speculative_config={"model": str(draft), "num_speculative_tokens": 4})
     try:
         reference = _generate(plain, prompts)
+        tokenizer = plain.get_tokenizer()
         for prompt, ref in zip(prompts, reference):
+            # The text token 9 adds: a stop string that ends there (or before).
+            stop_text = tokenizer.decode(ref[:10])[len(tokenizer.decode(ref[:9])) :][-3:]
             for params in (
                 SamplingParams(temperature=0.0, max_tokens=NUM_NEW, stop_token_ids=[ref[9]]),
+                SamplingParams(temperature=0.0, max_tokens=NUM_NEW, stop=[stop_text], logprobs=1, ignore_eos=True),
                 SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
                 SamplingParams(temperature=0.0, max_tokens=NUM_NEW, logprobs=3, ignore_eos=True),
             ):
                 want = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
                 got = spec.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
-                assert got.token_ids == want.token_ids
+                assert got.token_ids == want.token_ids and got.text == want.text
                 assert got.finish_reason == want.finish_reason and got.stop_reason == want.stop_reason
+                assert len(got.logprobs or ()) == (len(got.token_ids) if params.logprobs else 0)
                 if params.logprobs:
                     assert got.logprobs is not None and want.logprobs is not None
                     for mine, theirs in zip(got.logprobs, want.logprobs):
