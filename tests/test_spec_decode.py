@@ -2,17 +2,20 @@
 with each method on, under chunked prefill, prefix caching, preemption and
 async scheduling, with drafts actually accepted (read from the scheduler's
 counters, so the tests cannot pass with speculation silently off); stops,
-max_tokens and logprobs inside an accepted run; requests that cannot
-speculate; the config's validation and the metrics."""
+max_tokens and logprobs inside an accepted run; structured outputs verified
+under their grammar; requests that cannot speculate; the config's
+validation and the metrics."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
+import jsonschema
 import pytest
 
-from rayvllm import LLM, SamplingParams
+from rayvllm import LLM, SamplingParams, StructuredOutputsParams
 from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from rayvllm.core.kv_cache_utils import hash_block_tokens
 from rayvllm.core.sched.scheduler import Scheduler
@@ -149,6 +152,36 @@ def test_requests_that_cannot_speculate_decode_as_before(tiny_model_dir: Path) -
         assert _generate(spec, prompts, params) == _generate(plain, prompts, params)
         stats = spec.llm_engine.engine_core.make_stats().spec_decoding_stats
         assert stats is not None and stats.num_drafts == 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+# A grammar whose greedy outputs repeat themselves (so n-gram drafts match).
+COLOURS = {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 24}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_structured_outputs_speculate_under_their_grammar(tiny_model_dir: Path, async_scheduling: bool) -> None:
+    """A constrained request speculates: each draft position is verified
+    under the grammar advanced over the drafts before it, so greedy tokens
+    equal decoding without speculation, drafts are accepted, and sampled
+    outputs (seeded, temperature 1) still validate against the schema."""
+    prompts = repetitive_prompts()[:4]
+    so = StructuredOutputsParams(json=COLOURS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so)
+    plain = LLM(str(tiny_model_dir), **ENGINE, async_scheduling=async_scheduling)
+    spec = LLM(str(tiny_model_dir), **ENGINE, speculative_config=NGRAM, async_scheduling=async_scheduling)
+    try:
+        want = _generate(plain, prompts, greedy)
+        assert _generate(spec, prompts, greedy) == want
+        stats = spec.llm_engine.engine_core.make_stats().spec_decoding_stats
+        assert stats is not None and stats.num_accepted_tokens > 0
+        for seed in range(4):
+            sampled = SamplingParams(temperature=1.0, seed=seed, max_tokens=80, structured_outputs=so)
+            for out in spec.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False):
+                if out.outputs[0].finish_reason == "stop":
+                    jsonschema.validate(json.loads(out.outputs[0].text), COLOURS)
     finally:
         plain.shutdown()
         spec.shutdown()

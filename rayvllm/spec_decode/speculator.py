@@ -15,10 +15,12 @@ from rayvllm.spec_decode.draft_proposer import DraftModelProposer
 from rayvllm.spec_decode.eligibility import can_speculate, past_min_tokens
 from rayvllm.spec_decode.ngram_proposer import NgramProposer
 from rayvllm.spec_decode.rejection_sampler import RejectionSampler, VerifyRequest, step_generator
+from rayvllm.structured_output.bitmask import apply_token_bitmask_
 
 if TYPE_CHECKING:
     from rayvllm.worker.input_batch import CachedRequestState
     from rayvllm.worker.model_runner import ModelRunner
+    from rayvllm.worker.structured_outputs import StructuredOutputManager
 
 
 class Speculator:
@@ -42,6 +44,9 @@ class Speculator:
         batch = self.runner.input_batch
         out = SpecDecodeOutput()
         if verify_states:
+            structured = self.runner.structured
+            if structured is not None and structured.has_requests:
+                _mask_drafts(structured, verify_states, verify_logits, drafts)
             requests = [
                 VerifyRequest(
                     s.sampling_params,
@@ -56,6 +61,8 @@ class Speculator:
             ]
             result = self.rejection_sampler(verify_logits, requests)
             for state, tokens, logprobs in zip(verify_states, result.token_ids, result.logprobs):
+                if structured is not None:
+                    structured.accept_tokens([state.req_id] * len(tokens), tokens)
                 for token in tokens:
                     batch.append_token(state, token)
                 out.token_ids[state.req_id] = tokens
@@ -96,3 +103,22 @@ class Speculator:
             self.runner.max_model_len - state.num_tokens,
             params.max_tokens - len(output) - 1,
         )
+
+
+def _mask_drafts(
+    structured: "StructuredOutputManager",
+    verify_states: list["CachedRequestState"],
+    verify_logits: torch.Tensor,
+    drafts: dict[str, list[int]],
+) -> None:
+    """Each constrained request's k + 1 verification rows under its
+    grammar's masks (advanced over the drafts before each row), so the
+    rejection sampler accepts only drafts the grammar allows and samples
+    every other token from the masked distribution, as decoding would."""
+    start = 0
+    for state in verify_states:
+        rows = len(drafts[state.req_id]) + 1
+        bitmask = structured.draft_bitmask(state.req_id, drafts[state.req_id])
+        if bitmask is not None:
+            apply_token_bitmask_(verify_logits[start : start + rows], bitmask, None)
+        start += rows

@@ -111,6 +111,31 @@ class StructuredOutputManager:
             if not matcher.is_terminated() and not matcher.accept_token(token):
                 raise RuntimeError(f"request {req_id}: its grammar rejected token {token} sampled under its mask")
 
+    def draft_bitmask(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """The bitmask of a verifying request's `len(drafts) + 1` positions:
+        row j is its grammar's after the drafts before j (the matcher is
+        advanced over them, then rolled back). Rows past a draft the grammar
+        rejects, or past the grammar's end, allow everything: verification
+        rejects that draft (its masked probability is 0), so they are never
+        used. None for an unconstrained request. On the runner's thread; the
+        request is not in this step's fill (it verifies instead of sampling)."""
+        future = self._matchers.get(req_id)
+        if future is None:
+            return None
+        matcher = future.result()
+        bitmask = torch.full((len(drafts) + 1, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        advanced = 0
+        for row in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, row)
+            if row == len(drafts) or not matcher.accept_token(drafts[row]):
+                break
+            advanced += 1
+        if advanced:
+            matcher.rollback(advanced)
+        return bitmask
+
     def shutdown(self) -> None:
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
