@@ -2,7 +2,8 @@
 bench/gpu_proof.sh): greedy tokens equal transformers' in float32 on CUDA,
 through CUDA-graph and eager decodes, chunked prefill and long contexts
 that split the Triton kernel's keys; in bfloat16, the engine's logprobs of
-transformers' float32 greedy tokens stay within `BF16_LOGPROB_TOL`.
+transformers' float32 greedy tokens stay within `BF16_LOGPROB_TOL`; n-gram
+speculation and the host KV tier keep float32 greedy parity on CUDA.
 Skipped without CUDA (tests/test_parity.py is the CPU's parity)."""
 
 from __future__ import annotations
@@ -110,3 +111,47 @@ def test_bfloat16_logprobs_of_transformers_greedy_tokens(gpu_models: dict[str, P
         assert error < BF16_LOGPROB_TOL, (
             f"prompt of {len(prompt)}: engine bf16 off by {error:.4f} (transformers' bf16 by {hf_error:.4f})"
         )
+
+
+# ---- issue 19's engine features on CUDA (each is proven on the CPU in its own test file) ----
+
+
+def _repetitive_prompts(vocab: int = 4096) -> list[list[int]]:
+    """Prompts that repeat a unit (n-gram drafts find matches)."""
+    return [[(7919 * i + 31 * n) % (vocab - 10) + 5 for i in range(n)] * 4 for n in (9, 14, 21)]
+
+
+@pytest.mark.parametrize("engine_kwargs", [dict(), dict(enforce_eager=True)], ids=["cuda-graphs", "eager"])
+def test_ngram_speculation_greedy_parity_on_cuda(gpu_models: dict[str, Path], engine_kwargs: dict) -> None:
+    """Drafts verified as prefill-style sequences on the Triton backend."""
+    model_dir = gpu_models["llama-d64-gqa2"]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    llm = _llm(model_dir, "float32", speculative_config=spec, **engine_kwargs)
+    prompts = _repetitive_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.llm_engine.engine_core.make_stats().spec_decoding_stats
+    assert stats is not None and stats.num_accepted_tokens > 0
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, device="cuda")[0]
+
+
+def test_host_kv_tier_greedy_parity_on_cuda(gpu_models: dict[str, Path]) -> None:
+    """The native tier on a GPU node: evicted blocks go to (pinned) host
+    memory and come back by copy, with transformers' tokens."""
+    model_dir = gpu_models["llama-d64-gqa2"]
+    llm = LLM(
+        model=str(model_dir), device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=2,
+        max_model_len=256, num_gpu_blocks_override=13, kv_offloading_size=1 / 1024,
+        kv_offloading_backend="native", enforce_eager=True,
+    )
+    docs = [[(7919 * i + 131 * d) % 4086 + 5 for i in range(64)] for d in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    for prompt in [docs[0] + [7, 8, 9]] + [d + [7] for d in docs[1:]]:
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    core.make_stats()
+    (out,) = llm.generate({"prompt_token_ids": docs[0] + [10, 11]}, params, use_tqdm=False)
+    offload = core.make_stats().kv_offload_stats
+    assert offload is not None and offload.hits > 0 and offload.load_failures == 0
+    assert out.outputs[0].token_ids == hf_greedy(model_dir, docs[0] + [10, 11], device="cuda")[0]
