@@ -9,7 +9,7 @@ them from here; this module imports nothing of rayvllm but `request`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -216,8 +216,9 @@ class KVOffloadStats:
 
     def add(self, other: "KVOffloadStats") -> None:
         self.tier = self.tier or other.tier
-        for name in ("queries", "hits", "stores", "evictions", "load_failures", "bytes_stored", "bytes_loaded"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            if f.name != "tier":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass

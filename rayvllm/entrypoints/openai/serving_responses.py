@@ -122,7 +122,9 @@ class _StreamedItems:
         function = delta.function
         if index is None:
             index = self._calls[delta.index] = len(self.items)
-            self.items.append(_function_call(function.name or "" if function else "", "", "in_progress"))
+            # A call's first delta carries its name (parsers emit whole calls; a named function, its name first).
+            name = function.name if function is not None else None
+            self.items.append(_function_call(name or "", "", "in_progress"))
             yield self.emit("response.output_item.added", output_index=index, item=self.items[index])
         if function is not None and function.arguments:
             item = self.items[index]
