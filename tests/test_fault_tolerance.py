@@ -26,7 +26,7 @@ from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.engine_args import EngineArgs  # noqa: E402
 from rayvllm.errors import EngineDeadError, RequestFailedError  # noqa: E402
 
-from fault_hooks import HANG_FLAG_ENV, HANG_SEED, POISON_SEED  # noqa: E402
+from fault_hooks import DIE_IN_START_FLAG_ENV, HANG_FLAG_ENV, HANG_SEED, POISON_SEED  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 6)]
@@ -42,12 +42,17 @@ def hang_flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local(hang_flag: Path) -> Iterator[None]:
+def die_in_start_flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("die") / "die-in-next-start"
+
+
+@pytest.fixture(scope="module")
+def ray_local(hang_flag: Path, die_in_start_flag: Path) -> Iterator[None]:
     # Every Ray worker process gets the faults of fault_hooks.py (each only
     # triggered by a request with its own seed).
     tests_dir = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path, HANG_FLAG_ENV: str(hang_flag)}
+    env = {"PYTHONPATH": path, HANG_FLAG_ENV: str(hang_flag), DIE_IN_START_FLAG_ENV: str(die_in_start_flag)}
     ray.init(num_cpus=4, log_to_driver=False, runtime_env={"worker_process_setup_hook": "fault_hooks.install", "env_vars": env})
     yield
     ray.shutdown()
@@ -110,6 +115,48 @@ def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
     assert _alive("SchedulerActor") == []
     assert _live_groups() == []
+
+
+def test_a_replacement_killed_while_it_starts_is_one_more_failure(
+    ray_local: None, die_in_start_flag: Path, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """The SchedulerActor is killed mid-generation, and then its replacement
+    is killed too, inside its `start` (fault_hooks.die_in_start, armed just
+    before the first kill). The death during recovery is one more failure
+    of the same kind: a third core starts, every stream (the one that met
+    both deaths included) finishes exactly, and the engine serves on."""
+
+    async def main() -> tuple[list[list[int]], list[int], int, list[str]]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            (victim,) = _alive("SchedulerActor")
+            tokens: list[list[int]] = [[] for _ in PROMPTS]
+            killed: list[int] = []
+
+            async def consume(i: int) -> None:
+                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+                    tokens[i] += out.outputs[0].token_ids
+                    if i == 0 and len(tokens[0]) >= 5 and not killed:
+                        die_in_start_flag.touch()
+                        killed.append(victim.pid)
+                        os.kill(victim.pid, signal.SIGKILL)
+
+            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            await engine.check_health()
+            after: list[int] = []
+            async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "after"):
+                after += out.outputs[0].token_ids
+            actors = [a.actor_id for a in _alive("SchedulerActor")]
+            return tokens, after, engine.restarts.total, actors
+        finally:
+            engine.shutdown()
+
+    tokens, after, restarts, actors = asyncio.run(main())
+    assert not die_in_start_flag.exists()  # the replacement met the fault
+    assert restarts == 1 and len(actors) == 1
+    assert tokens == undisturbed and after == undisturbed[0]
 
 
 @pytest.mark.parametrize("notice", ["health check", "new request"])
