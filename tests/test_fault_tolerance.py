@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.engine_args import EngineArgs  # noqa: E402
 from rayvllm.errors import EngineDeadError, RequestFailedError  # noqa: E402
@@ -81,7 +82,7 @@ def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
 ) -> None:
     async def main() -> tuple[list[list[int]], int, int]:
         # World size 1: the SchedulerActor runs the model itself.
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -127,7 +128,7 @@ def test_a_replacement_killed_while_it_starts_is_one_more_failure(
     both deaths included) finishes exactly, and the engine serves on."""
 
     async def main() -> tuple[list[list[int]], list[int], int, list[str]]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -168,7 +169,7 @@ def test_an_engine_killed_while_idle_is_replaced(
     and the next request runs exactly."""
 
     async def main() -> tuple[list[int], bool, int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -204,7 +205,7 @@ def test_a_health_check_that_outlives_its_core_spares_the_new_one(
     and the loop does not replace a healthy core a second time."""
 
     async def main() -> tuple[list[int], int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -249,7 +250,7 @@ def test_requests_sent_while_the_core_is_replaced_reach_the_new_one(
     blocking the event loop, then runs exactly; the abort ends its stream."""
 
     async def main() -> tuple[list[int], list[int], str | None, int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -257,10 +258,10 @@ def test_requests_sent_while_the_core_is_replaced_reach_the_new_one(
             real_restart = client.restart
             entered, proceed = threading.Event(), threading.Event()
 
-            def held_restart(requests: list) -> None:
+            def held_restart(requests: list, shutdown_timeout_s: float) -> None:
                 entered.set()
                 proceed.wait()
-                real_restart(requests)
+                real_restart(requests, shutdown_timeout_s)
 
             client.restart = held_restart
             (victim,) = _alive("SchedulerActor")
@@ -305,7 +306,7 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
     exactly."""
 
     async def main() -> tuple[list[list[int]], int]:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, **ENGINE))
+        engine = async_llm_from_engine_args(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, **ENGINE))
         try:
             workers = _alive("WorkerActor")
             assert sorted(w.repr_name for w in workers) == ["WorkerActor(rank=0)", "WorkerActor(rank=1)"]
@@ -349,7 +350,7 @@ def test_a_request_that_fails_its_step_fails_alone(
     finishes exactly; the engine serves on."""
 
     async def main() -> tuple[list[list[int]], BaseException | None, int, list[int]]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -394,9 +395,8 @@ def test_a_hung_step_ends_the_engine_and_the_requests_resume(
     every stream, the one that met the hang included, finishes."""
 
     async def main() -> tuple[list[list[int]], int, int]:
-        engine = AsyncLLM(
-            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE).create_engine_config(),
-            step_timeout_s=3.0,
+        engine = async_llm_from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE), step_timeout_s=3.0
         )
         try:
             tokens: list[list[int]] = [[] for _ in PROMPTS]
@@ -427,12 +427,12 @@ def test_a_hung_step_ends_the_engine_and_the_requests_resume(
 
 def test_a_dead_dp_rank_is_rebuilt_alone(ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]) -> None:
     """DP=2: DP rank 1's WorkerActor killed mid-generation. The engine is not
-    restarted (same SchedulerActor, no CoreRestarts): rank 1's group alone
+    restarted (same SchedulerActor, no core replaced): rank 1's group alone
     is rebuilt and its requests resume by recompute, while rank 0 keeps its
     worker; every stream equals an undisturbed run."""
 
     async def main() -> tuple[list[list[int]], int]:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), data_parallel_size=2, **ENGINE))
+        engine = async_llm_from_engine_args(EngineArgs(model=str(tiny_model_dir), data_parallel_size=2, **ENGINE))
         try:
             (scheduler,) = _alive("SchedulerActor")
             workers = {w.repr_name: w for w in _alive("WorkerActor")}

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine.local_pipe import LocalConnection, local_pipe
 from rayvllm.engine_types import AbortRequests, AddRequests, EngineCoreFailure, EngineCoreOutputs, ModelRunnerOutput
 from rayvllm.executor.base import Executor
 from rayvllm.request import EngineCoreRequest
@@ -134,7 +133,7 @@ def make_core(*, async_scheduling: bool = True, max_num_seqs: int = 4) -> tuple[
         parallel_config=ParallelConfig(),
     )
     executor = HeldExecutor(config)
-    return EngineCore(config, executors=[executor]), executor
+    return EngineCore(config, lambda rank: executor), executor
 
 
 def test_a_light_engine_schedules_after_the_running_step_so_an_arrival_makes_the_next() -> None:
@@ -206,29 +205,32 @@ def test_without_an_intake_the_core_fills_first(async_scheduling: bool) -> None:
         assert ex.events == ["submit 0", "result 0", "submit 1", "result 1"]
 
 
-def test_the_inproc_client_queues_adds_and_aborts_until_its_step() -> None:
-    """The in-process side of the client seam: adds and aborts from the
-    serving loop wait in its intake (the core is untouched) until `step`,
-    on the step thread, hands them over in order."""
+def test_the_inproc_client_drives_the_core_through_its_loop_on_a_thread() -> None:
+    """In-process, the same loop as on the SchedulerActor owns the core, on
+    a thread: the client only sends inputs and reads what was pushed."""
     from rayvllm.engine.core_client import InprocClient
 
-    core, ex = make_core(async_scheduling=False)
-    client = InprocClient(core)
-    client.add_requests([request("a", max_tokens=2)])
-    client.add_requests([request("b", max_tokens=2)])
-    client.abort_requests(["b"])
-    assert client.has_pending_intake() and not core.has_unfinished_requests() and ex.steps == []
-    outputs = client.step()
-    assert not client.has_pending_intake()
-    assert ex.requests_in(0) == ["a"]  # "b" was aborted before it was ever scheduled
-    assert [o.request_id for o in outputs] == ["a"] and outputs[0].new_token_ids == [7]
+    _, ex = make_core(async_scheduling=False)
+    client = InprocClient(ex.config, lambda rank: ex)
+    try:
+        assert client.make_stats().num_running_reqs == 0  # the loop's first push
+        client.add_requests([request("a", max_tokens=2)])
+        tokens: list[int] = []
+        while not tokens or len(tokens) < 2:
+            tokens += [t for out in client.step() for t in out.new_token_ids]
+        assert tokens == [7, 7] and not client.has_pending_intake()
+        assert [ex.requests_in(i) for i in range(len(ex.steps))] == [["a"], ["a"]]
+        assert threading.current_thread() is not client._loop_thread
+    finally:
+        client.shutdown()
+    assert client.engine_core is None
 
 
 # ---- the engine loop that owns the core (core_loop.py) -------------------------------
 
 
-def _run_loop(core: EngineCore) -> tuple[Connection, threading.Thread]:
-    client, server = Pipe(duplex=True)
+def _run_loop(core: EngineCore) -> tuple[LocalConnection, threading.Thread]:
+    client, server = local_pipe()
     thread = threading.Thread(target=EngineCoreLoop(core, server).run, name="test-engine-loop")
     thread.start()
     return client, thread

@@ -52,7 +52,7 @@ class _StepRecorder:
     through the runner's LoRA manager."""
 
     def __init__(self, llm: LLM) -> None:
-        manager: LoRAModelManager = llm.llm_engine.engine_core.executor.runner.lora
+        manager: LoRAModelManager = llm.llm_engine.engine_core.engine_core.executor.runner.lora
         self.steps: list[set[int]] = []
         self.loads: list[tuple[int, int]] = []
         set_step, activate = manager.set_step, manager.activate

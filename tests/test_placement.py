@@ -23,8 +23,8 @@ from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.config import EngineConfig, ParallelConfig  # noqa: E402
 from rayvllm.engine_args import EngineArgs  # noqa: E402
 from rayvllm.errors import DistributedInitError, PlacementError  # noqa: E402
-from rayvllm.executor.ray_executor import RayExecutor  # noqa: E402
-from rayvllm.executor.placement import (  # noqa: E402
+from rayvllm.actors.ray_executor import RayExecutor  # noqa: E402
+from rayvllm.actors.placement import (  # noqa: E402
     RankPlacement,
     assign_ranks,
     create_worker_placement_group,

@@ -41,8 +41,7 @@ from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.rank_recovery import RankRecovery
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
-from rayvllm.executor.base import Executor, PendingOutput
-from rayvllm.executor.factory import create_executor
+from rayvllm.executor.base import Executor, ExecutorFactory, PendingOutput
 from rayvllm.kv_offload.factory import create_kv_tier
 from rayvllm.errors import EngineDeadError, StepFailedError
 from rayvllm.request import EngineCoreRequest, Request
@@ -62,14 +61,13 @@ class EngineCore:
     routed to until it finishes."""
 
     # Not thread-safe: adds and aborts must come from the thread that steps
-    # (core_client.InprocClient queues them for it).
-    def __init__(
-        self, config: EngineConfig, executors: list[Executor] | None = None, reserved_pg: object = None
-    ) -> None:
-        """`reserved_pg`: a placement group Serve reserved for the worker
-        groups (opaque here; the Ray executors use it)."""
+    # (its loop, core_loop.py, takes them from an intake).
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+        """`executor_factory`: a new worker group for a DP rank (local or
+        on Ray: the caller decides), for each rank at the start and to
+        rebuild a rank whose group died."""
         self.config = config
-        self.reserved_pg = reserved_pg
+        self.executor_factory = executor_factory
         # DP ranks whose worker group is being rebuilt, and ranks a health
         # check found dead (added from the health check's thread, taken by
         # the stepping one). Set first: a failed start shuts down.
@@ -79,7 +77,7 @@ class EngineCore:
         self._wake_loop: Callable[[], None] | None = None
         pc = config.parallel_config
         dp = pc.data_parallel_size
-        self.executors = executors or [create_executor(config, rank, reserved_pg) for rank in range(dp)]
+        self.executors = [executor_factory(rank) for rank in range(dp)]
         try:
             num_blocks = min(executor.initialize() for executor in self.executors)
         except BaseException:
@@ -276,7 +274,7 @@ class EngineCore:
         for request in live:
             scheduler.add_request(Request(request.resumed()))
         self.recoveries[rank] = RankRecovery(
-            rank, self.executors[rank], lambda: create_executor(self.config, rank, self.reserved_pg),
+            rank, self.executors[rank], lambda: self.executor_factory(rank),
             self.config.cache_config.num_blocks, self._wake,
         )
 

@@ -44,6 +44,12 @@ class RequestIntake:
             self._items.append(item)
             self._arrived.notify_all()
 
+    def put_all(self, items: list[EngineCoreInput]) -> None:
+        """Several inputs at once: a step takes all of them or none."""
+        with self._arrived:
+            self._items.extend(items)
+            self._arrived.notify_all()
+
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self.put(AddRequests(list(requests)))
 

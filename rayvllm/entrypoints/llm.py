@@ -8,7 +8,7 @@ from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
-from rayvllm.engine.llm_engine import LLMEngine
+from rayvllm.actors.factory import llm_engine_from_engine_args
 from rayvllm.engine_args import EngineArgs
 from rayvllm.errors import InvalidParameterError
 from rayvllm.lora.request import LoRARequest
@@ -55,7 +55,7 @@ class LLM:
                 **kwargs,
             )
         )
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.llm_engine = llm_engine_from_engine_args(args)
         self._counter = itertools.count()
 
     def shutdown(self) -> None:

@@ -24,10 +24,10 @@ from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
+from rayvllm.actors.placement import deployment_bundles
 from rayvllm.engine_args import EngineArgs
 from rayvllm.entrypoints.server_args import ServerArgs
 from rayvllm.errors import InvalidParameterError
-from rayvllm.executor.placement import deployment_bundles
 
 # `serve run <import path>` names its application "default"; the config file does too.
 DEFAULT_APP_NAME = "default"

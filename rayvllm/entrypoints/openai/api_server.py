@@ -19,7 +19,7 @@ from pydantic import BaseModel
 import ray
 from ray import serve
 
-from rayvllm.engine.async_llm import AsyncLLM
+from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -156,7 +156,7 @@ class LLMServer:
                 config.scheduler_config.max_num_batched_tokens, config.model_config.max_model_len
             )
         # Serve reserved the workers' bundles with this replica (build_app).
-        self.engine = AsyncLLM(
+        self.engine = async_llm_from_engine_args(
             config, max_pending_requests=max_pending_requests, max_pending_prompt_tokens=max_pending_prompt_tokens,
             reserved_pg=ray.util.get_current_placement_group(),
             step_timeout_s=step_timeout_s,

@@ -19,14 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from rayvllm.actors.worker_actor import WorkerActor
-from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.distributed.rpc_channel import ChannelClient, pickle_message
-from rayvllm.engine_types import ModelRunnerOutput
-from rayvllm.errors import DistributedInitError, EngineDeadError
-from rayvllm.executor.base import Executor, PendingOutput
-from rayvllm.executor.placement import (
+from rayvllm.actors.placement import (
     RankPlacement,
     create_worker_placement_group,
     reserved_worker_placements,
@@ -34,6 +27,13 @@ from rayvllm.executor.placement import (
     remove_worker_placement_group,
     worker_group_name,
 )
+from rayvllm.actors.worker_actor import WorkerActor
+from rayvllm.config import EngineConfig
+from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.distributed.rpc_channel import ChannelClient, pickle_message
+from rayvllm.engine_types import ModelRunnerOutput
+from rayvllm.errors import DistributedInitError, EngineDeadError
+from rayvllm.executor.base import Executor, PendingOutput
 
 
 class _PendingStep:
