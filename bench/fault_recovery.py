@@ -19,7 +19,7 @@ has `--kill-after` tokens injects the fault:
 Reported per scenario: requests in flight at the fault, requests lost
 (a stream that did not finish, or whose tokens differ from an undisturbed
 in-process run: a repeated or missing token shows as a difference), the
-engine's own restart time (`CoreRestarts.last_duration_s`: failure seen to
+engine's own restart time (`RestartPolicy.last_duration_s`: failure seen to
 new engine ready), and the stall (the longest wait between two tokens, of
 any stream, after the fault: detection + restart + recompute of the context)
 and the least-stalled stream's longest wait (with DP, a stream on a rank

@@ -76,3 +76,21 @@ def test_engine_types_sit_at_the_bottom() -> None:
     assert not {m for m in imported if m.startswith("rayvllm.executor.")}
     upward = ("rayvllm.engine.", "rayvllm.worker.")
     assert not {m for m in graph["rayvllm.core.sched.scheduler"] if m.startswith(upward)}
+
+
+def test_the_engine_and_the_executors_know_no_ray() -> None:
+    """Ray sits on top (rayvllm.actors, the entrypoints): no import of the
+    engine or executor packages, not inside a function nor under
+    `TYPE_CHECKING`, reaches it; the layer above injects the Ray kinds."""
+    above = ("ray.", "rayvllm.actors", "rayvllm.entrypoints")
+    found: list[str] = []
+    for folder in ("engine", "executor"):
+        for path in sorted((REPO / "rayvllm" / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                found += [f"{path.relative_to(REPO)}: {n}" for n in names if n == "ray" or n.startswith(above)]
+    assert found == []
