@@ -71,12 +71,12 @@ def test_embed_matches_transformers(models: dict[str, Path], name: str, pooling:
     llm = LLM(str(model_dir), runner="pooling", pooler_config={"pooling_type": pooling},
               async_scheduling=pooling == "LAST", **ENGINE)
     try:
-        kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        core = llm.llm_engine.engine_core
         _check(model_dir, llm.embed(prompts, use_tqdm=False), prompts, pooling, normalize=True)
-        kv.make_prefix_cache_stats()
+        core.make_stats()
         raw = llm.embed([{"prompt_token_ids": p} for p in prompts], PoolingParams(normalize=False), use_tqdm=False)
         _check(model_dir, raw, prompts, pooling, normalize=False)
-        stats = kv.make_prefix_cache_stats()
+        stats = core.make_stats().prefix_cache_stats
         if pooling == "LAST":
             assert stats.hits > 0  # the second pass reused cached prefixes, and stayed exact
         else:

@@ -114,10 +114,10 @@ def test_greedy_parity_with_prefix_cache_hits(parity_models: dict[str, Path], na
     llm = LLM(model=str(model_dir), dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=64)
     prompts = _prompts(seed=13, shared_prefix=100)
     first = _generate(llm, prompts)
-    kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
-    kv.make_prefix_cache_stats()
+    core = llm.llm_engine.engine_core
+    core.make_stats()
     second = _generate(llm, prompts)
-    stats = kv.make_prefix_cache_stats()
+    stats = core.make_stats().prefix_cache_stats
     # Every prompt's full blocks are cached by the first pass.
     assert stats.hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert all(o.num_cached_tokens > 0 for o in second)

@@ -92,6 +92,15 @@ class LLMEngine:
         result = self.output_processor.process_outputs(core_outputs)
         if result.reqs_to_abort:
             self.engine_core.abort_requests(result.reqs_to_abort)
+            if not self.has_unfinished_requests():
+                # The batch is done: the core has freed what those held
+                # (applied inputs are acknowledged by a push) before the
+                # caller looks.
+                try:
+                    while self.engine_core.has_pending_intake():
+                        self.engine_core.step()
+                except EngineDeadError:
+                    pass  # a dead core holds nothing; the next step replaces it
         return result.request_outputs
 
     def has_unfinished_requests(self) -> bool:
