@@ -97,7 +97,9 @@ class ModelConfig:
         "the model's directory (config.json, safetensors weights, tokenizer); unset: the embedded demo model",
         arg_type=str | None, arg_default=None,
     )
-    tokenizer: str = config_field("the tokenizer's directory; unset: the model's", arg_type=str | None, arg_default=None)
+    tokenizer: str = config_field(
+        "the tokenizer's directory; unset: the model's", arg_type=str | None, arg_default=None
+    )
     dtype: torch.dtype = config_field(
         f"weights' and activations' dtype: auto (the checkpoint's; float32 on CPU), {', '.join(_DTYPES)}",
         arg_type=str, arg_default="auto",
@@ -277,6 +279,9 @@ class SchedulerConfig:
             raise InvalidParameterError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+PLACEMENT_GROUP_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = config_field("ranks that split each layer (attention heads, MLP columns)", 1)
@@ -290,7 +295,7 @@ class ParallelConfig:
     )
     # One bundle per rank of a worker group (TP x PP ranks).
     placement_group_strategy: str = config_field(
-        "Ray's placement of a worker group's ranks: PACK, STRICT_PACK, SPREAD or STRICT_SPREAD", "PACK"
+        f"Ray's placement of a worker group's ranks: {', '.join(PLACEMENT_GROUP_STRATEGIES)}", "PACK"
     )
     num_cpus_per_worker: float = config_field(
         "logical CPUs each CPU worker rank asks Ray for (a GPU rank asks for one GPU)", 1.0
@@ -307,10 +312,10 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.placement_group_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
+        if self.placement_group_strategy not in PLACEMENT_GROUP_STRATEGIES:
             raise InvalidParameterError(
                 "placement_group_strategy",
-                f"must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, got {self.placement_group_strategy!r}",
+                f"must be one of {', '.join(PLACEMENT_GROUP_STRATEGIES)}, got {self.placement_group_strategy!r}",
             )
         for name in ("num_cpus_per_worker", "placement_group_timeout_s", "distributed_timeout_s"):
             if getattr(self, name) <= 0:
@@ -454,8 +459,8 @@ class EngineConfig:
     )
     # Set exactly when LoRA adapters are enabled (`enable_lora`).
     lora_config: LoRAConfig | None = config_field(
-        "serve LoRA adapters (max_loras, max_lora_rank and max_cpu_loras size the slots)", None, arg_name="enable_lora", arg_type=bool,
-        arg_default=False,
+        "serve LoRA adapters (max_loras, max_lora_rank and max_cpu_loras size the slots)",
+        None, arg_name="enable_lora", arg_type=bool, arg_default=False,
     )
     # The second KV tier behind each rank's block pool (None: none).
     kv_offload_config: KVOffloadConfig | None = None

@@ -161,7 +161,8 @@ def test_cpu_kv_budget_is_the_cache_configs(monkeypatch: pytest.MonkeyPatch, tin
     by CacheConfig.CPU_KV_CACHE_BYTES, not a number of its own."""
     config = EngineArgs(model=str(tiny_model_dir), max_model_len=256).create_engine_config()
     mc = config.model_config
-    per_block = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache_config.block_size, mc.dtype)
+    block_size = config.cache_config.block_size
+    per_block = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, mc.dtype)
     monkeypatch.setattr(CacheConfig, "CPU_KV_CACHE_BYTES", 40 * per_block + per_block // 2)
     llm = LLM(str(tiny_model_dir), max_num_seqs=64, max_model_len=256)
     try:
