@@ -1,7 +1,7 @@
 """The `LLMServer` Ray Serve deployment: OpenAI HTTP routes plus Python handle methods.
 
 One replica holds the Processor and the asyncio engine loop (`AsyncLLM`);
-the engine core runs in the SchedulerActor with its worker groups (DESIGN),
+the engine core runs in the SchedulerActor with its worker groups (docs/ARCHITECTURE.md),
 so the replica itself asks Ray for no CPU. HTTP errors are OpenAI-style
 JSON bodies carrying the status of the `RayvllmError` raised.
 """
