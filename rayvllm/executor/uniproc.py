@@ -5,7 +5,7 @@ from __future__ import annotations
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.executor.base import Executor
-from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.model_executor.model_runner import ModelRunner
 
 
 class UniProcExecutor(Executor):

@@ -28,11 +28,11 @@ from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.spec_decode.rejection_sampler import step_generator, target_probs
-from rayvllm.worker.sampler import categorical_inverse_cdf
+from rayvllm.model_executor.sampler import categorical_inverse_cdf
 
 if TYPE_CHECKING:
-    from rayvllm.worker.input_batch import CachedRequestState
-    from rayvllm.worker.model_runner import ModelRunner
+    from rayvllm.model_executor.input_batch import CachedRequestState
+    from rayvllm.model_executor.model_runner import ModelRunner
 
 
 @dataclass

@@ -18,9 +18,9 @@ from rayvllm.spec_decode.rejection_sampler import RejectionSampler, VerifyReques
 from rayvllm.structured_output.bitmask import apply_token_bitmask_
 
 if TYPE_CHECKING:
-    from rayvllm.worker.input_batch import CachedRequestState
-    from rayvllm.worker.model_runner import ModelRunner
-    from rayvllm.worker.structured_outputs import StructuredOutputManager
+    from rayvllm.model_executor.input_batch import CachedRequestState
+    from rayvllm.model_executor.model_runner import ModelRunner
+    from rayvllm.structured_output.manager import StructuredOutputManager
 
 
 class Speculator:

@@ -14,7 +14,7 @@ from rayvllm.config import EngineConfig
 from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.engine_types import ModelRunnerOutput
-from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.model_executor.model_runner import ModelRunner
 
 
 def free_port() -> int:

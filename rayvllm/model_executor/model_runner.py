@@ -40,14 +40,14 @@ from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.sampling_params import SamplingParams
 from rayvllm.spec_decode.speculator import Speculator
-from rayvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes
-from rayvllm.worker.gpu_memory import kv_cache_budget, profile_memory
-from rayvllm.worker.input_batch import CachedRequestState, InputBatch
-from rayvllm.worker.pooler import Pooler
-from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
-from rayvllm.worker.sampler import Sampler
-from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata
-from rayvllm.worker.structured_outputs import GrammarBitmask, StructuredOutputManager
+from rayvllm.model_executor.cuda_graph import CudaGraphRunner, capture_sizes
+from rayvllm.model_executor.gpu_memory import kv_cache_budget, profile_memory
+from rayvllm.model_executor.input_batch import CachedRequestState, InputBatch
+from rayvllm.model_executor.pooler import Pooler
+from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
+from rayvllm.model_executor.sampler import Sampler
+from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
+from rayvllm.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 

@@ -34,7 +34,7 @@ import torch
 
 from rayvllm.engine_types import LogprobsTensors
 from rayvllm.structured_output.bitmask import apply_token_bitmask_
-from rayvllm.worker.sampling_metadata import SamplingMetadata
+from rayvllm.model_executor.sampling_metadata import SamplingMetadata
 
 SamplingMethod = Literal["auto", "inverse_cdf", "exponential_race"]
 
