@@ -29,6 +29,7 @@ class Speculator(ModelRunnerExtension):
         self.ngram = NgramProposer(config) if config.method == "ngram" else None
         self.drafter = DraftModelProposer(config, target_head_dim) if config.method == "draft_model" else None
         self.rejection_sampler = RejectionSampler()
+        # The target's device, where seeded verification draws; set by load_model.
         self.device = torch.device("cpu")
 
     def load_model(self, ctx: ModelLoadContext) -> None:
