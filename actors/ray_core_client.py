@@ -1,6 +1,6 @@
 """The engine core in a `SchedulerActor` (its loop: core_loop.py), behind
 the one client interface (core_client.py), so `AsyncLLM` cannot tell it
-from the in-process core (DESIGN principle 1).
+from the in-process core (docs/ARCHITECTURE.md, principle 1).
 
 One direct connection (rpc_channel.py says why not Ray calls) carries both
 ways; the actor serves it with the same loop the in-process client runs on

@@ -16,7 +16,7 @@ from rayvllm.core.kv_cache_utils import hash_request_tokens, request_extra_keys
 from rayvllm.entrypoints.cli import build_parser
 from rayvllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_modules
 from rayvllm.errors import InvalidParameterError, ModelNotFoundError
-from rayvllm.lora.model_manager import LoRAModelManager
+from rayvllm.lora.extension import LoRAExtension
 from rayvllm.lora.slots import LoRASlots
 from rayvllm.models.random_model import RandomModelSpec, build_random_model
 from rayvllm.request import EngineCoreRequest, Request
@@ -52,7 +52,9 @@ class _StepRecorder:
     through the runner's LoRA manager."""
 
     def __init__(self, llm: LLM) -> None:
-        manager: LoRAModelManager = llm.llm_engine.engine_core.engine_core.executor.runner.lora
+        runner = llm.llm_engine.engine_core.engine_core.executor.runner
+        manager = next(ext.manager for ext in runner.extensions if isinstance(ext, LoRAExtension))
+        assert manager is not None
         self.steps: list[set[int]] = []
         self.loads: list[tuple[int, int]] = []
         set_step, activate = manager.set_step, manager.activate
