@@ -2,8 +2,10 @@
 
 One replica holds the Processor and the asyncio engine loop (`AsyncLLM`);
 the engine core runs in the SchedulerActor with its worker groups (DESIGN),
-so the replica itself asks Ray for no CPU. HTTP errors are OpenAI-style
-JSON bodies carrying the status of the `RayvllmError` raised.
+so the replica itself asks Ray for no CPU. Every route goes through
+`http_route.openai_route` (authorization, the bounded body, errors as
+OpenAI-style JSON bodies with the status of the `RayvllmError` raised) and
+reaches the engine through its `EngineClient` methods only.
 """
 
 

@@ -56,7 +56,6 @@ from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStr
 from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels
 from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.request import LoRARequest
 from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rayvllm.processor import PromptType, TokensPrompt
 from rayvllm.sampling_params import SamplingParams
