@@ -1,4 +1,4 @@
-"""The import graph (DESIGN: types at the bottom, factories at the top, no
+"""The import graph (docs/ARCHITECTURE.md: types at the bottom, factories at the top, no
 import cycle): module-level imports of every rayvllm module, read with ast."""
 
 from __future__ import annotations
