@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from rayvllm.config import EngineConfig
 from rayvllm.engine.core_client import EngineCoreClient
