@@ -1,12 +1,13 @@
-"""The asyncio engine loop for serving: Processor -> EngineCore -> OutputProcessor.
+"""The asyncio engine loop for serving: Processor -> engine core client -> OutputProcessor.
 
 `AsyncLLM.generate` is an async generator of DELTA `RequestOutput`s; many
-run at once and one background task steps the engine for all of them.
+run at once and one background task takes the core's outputs for all of
+them (the core steps in its own loop, core_loop.py).
 
 Threading invariant: the Processor, the OutputProcessor and the per-request
-queues are touched only on the event loop; the engine core only on one
-dedicated step thread, which waits for the core loop's pushes, so a
-blocking wait never stalls the HTTP server. New requests and aborts reach
+queues are touched only on the event loop; the client's outputs are read
+only on one dedicated step thread, which waits for the core loop's pushes,
+so a blocking wait never stalls the HTTP server. New requests and aborts reach
 the core in arrival order: the loop hands them to the engine core client
 (core_client.py) the moment it has them, from the event loop, while the
 step thread waits.
