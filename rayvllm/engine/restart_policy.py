@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Protocol
 
-from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.errors import EngineDeadError, PlacementError, StepFailedError
 from rayvllm.output_processor import OutputProcessor
 from rayvllm.request import EngineCoreRequest
@@ -35,6 +35,16 @@ RESTART_BACKOFF_S = 0.5
 RESTART_SHUTDOWN_TIMEOUT_S = 10.0
 
 
+class ReplaceableCore(Protocol):
+    """What the policy needs of the client (core_client.EngineCoreClient)."""
+
+    can_restart: bool
+
+    def hold(self) -> None: ...
+
+    def restart(self, requests: list[list[EngineCoreRequest]], shutdown_timeout_s: float) -> None: ...
+
+
 class RestartPolicy:
     """Invariants: a replacement begins (`begin`, on the thread that owns
     the output processor) before the requests to resume are taken, and from
@@ -44,7 +54,7 @@ class RestartPolicy:
     `restarting_since` is set exactly while a replacement is under way."""
 
     def __init__(
-        self, client: EngineCoreClient, output_processor: OutputProcessor,
+        self, client: ReplaceableCore, output_processor: OutputProcessor,
         max_in_a_row: int = MAX_RESTARTS_IN_A_ROW, backoff_s: float = RESTART_BACKOFF_S,
     ) -> None:
         self.client = client
