@@ -12,7 +12,7 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,6 +77,24 @@ def _alive(class_name: str) -> list[object]:
     return list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
 
 
+async def _stream_all(engine: AsyncLLM, fault: Callable[[], None]) -> tuple[list[list[int]], int]:
+    """Every prompt of PROMPTS streamed with its PARAMS; `fault` runs once,
+    when the first stream has 5 tokens. The tokens, and how many the first
+    stream had then."""
+    tokens: list[list[int]] = [[] for _ in PROMPTS]
+    at: list[int] = []
+
+    async def consume(i: int) -> None:
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+            tokens[i] += out.outputs[0].token_ids
+            if i == 0 and len(tokens[0]) >= 5 and not at:
+                at.append(len(tokens[0]))
+                fault()
+
+    await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+    return tokens, at[0]
+
+
 def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
     ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]
 ) -> None:
@@ -87,22 +105,12 @@ def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
         )
         try:
             (victim,) = _alive("SchedulerActor")
-            tokens: list[list[int]] = [[] for _ in PROMPTS]
-            killed_at: list[int] = []
-
-            async def consume(i: int) -> None:
-                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
-                    tokens[i] += out.outputs[0].token_ids
-                    if i == 0 and len(tokens[0]) >= 5 and not killed_at:
-                        killed_at.append(len(tokens[0]))
-                        os.kill(victim.pid, signal.SIGKILL)
-
-            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            tokens, killed_at = await _stream_all(engine, lambda: os.kill(victim.pid, signal.SIGKILL))
             stats = engine.engine_core.make_stats()
             assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
             (successor,) = _alive("SchedulerActor")
             assert successor.actor_id != victim.actor_id
-            return tokens, engine.restarts.total, killed_at[0]
+            return tokens, engine.restarts.total, killed_at
         finally:
             engine.shutdown()
 
@@ -133,18 +141,12 @@ def test_a_replacement_killed_while_it_starts_is_one_more_failure(
         )
         try:
             (victim,) = _alive("SchedulerActor")
-            tokens: list[list[int]] = [[] for _ in PROMPTS]
-            killed: list[int] = []
 
-            async def consume(i: int) -> None:
-                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
-                    tokens[i] += out.outputs[0].token_ids
-                    if i == 0 and len(tokens[0]) >= 5 and not killed:
-                        die_in_start_flag.touch()
-                        killed.append(victim.pid)
-                        os.kill(victim.pid, signal.SIGKILL)
+            def kill_twice() -> None:
+                die_in_start_flag.touch()  # the replacement dies in its start
+                os.kill(victim.pid, signal.SIGKILL)
 
-            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            tokens, _ = await _stream_all(engine, kill_twice)
             await engine.check_health()
             after: list[int] = []
             async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "after"):
