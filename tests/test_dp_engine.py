@@ -245,18 +245,9 @@ def test_a_dead_rank_is_rebuilt_while_the_other_serves(tiny_model_dir: Path) -> 
     runs to its end while the rebuild is held; then rank 1 resumes by
     recompute and every request's tokens equal an undisturbed run's (the
     engine is never restarted)."""
-    config = EngineArgs(
-        model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, max_num_batched_tokens=512,
-    ).create_engine_config()
-    prompts = {"a": _fresh(20, 1), "b": _fresh(33, 2), "c": _fresh(9, 3)}
-    undisturbed_core = EngineCore(config, lambda rank: UniProcExecutor(config))
-    for req_id, prompt in prompts.items():
-        undisturbed_core.add_request(_request(req_id, prompt, max_tokens=12))
-    expected = _tokens_until(undisturbed_core, lambda done: len(done) == 3)[0]
-    undisturbed_core.shutdown()
-
+    config, prompts, expected = _undisturbed_dp2(tiny_model_dir)
     dying = _DyingExecutor(config, dies_at=4)
-    builds: list[_HeldBuild] = []
+    builds: list[Executor] = []
 
     def build(rank: int) -> Executor:
         """The first group of each rank, then the rebuilt ones."""
@@ -285,6 +276,44 @@ def test_a_dead_rank_is_rebuilt_while_the_other_serves(tiny_model_dir: Path) -> 
     assert core.executors[1] is builds[2] and not core.recoveries and len(builds) == 3
     assert core.make_stats().num_rank_rebuilds == 1
     core.shutdown()
+
+
+class _DiesInStart(UniProcExecutor):
+    """A rebuilt group whose process is killed as it starts."""
+
+    def initialize(self) -> int:
+        raise EngineDeadError("worker rank 0 of DP rank 1 died as it started")
+
+
+def test_a_rebuild_that_dies_as_it_starts_is_tried_again(tiny_model_dir: Path) -> None:
+    """DP rank 1's group dies mid-decode and its first replacement dies as
+    it starts: one more failure of the same kind, under the engine's
+    restart rule. The next start serves, and every request's tokens equal
+    an undisturbed run's."""
+    config, prompts, expected = _undisturbed_dp2(tiny_model_dir)
+    groups = iter([UniProcExecutor(config), _DyingExecutor(config, dies_at=4), _DiesInStart(config)])
+    core = EngineCore(config, lambda rank: next(groups, None) or UniProcExecutor(config))
+    for req_id, prompt in prompts.items():
+        core.add_request(_request(req_id, prompt, max_tokens=12))
+    tokens, _ = _tokens_until(core, lambda done: len(done) == 3)
+    assert tokens == expected
+    assert (core.rebuild_limits.failed_starts, core.num_rank_rebuilds) == (1, 1)
+    core.shutdown()
+
+
+def _undisturbed_dp2(tiny_model_dir: Path) -> tuple[EngineConfig, dict[str, list[int]], dict[str, list[int]]]:
+    """The DP=2 config of the rebuild tests, their prompts, and the tokens
+    each gets with no failure."""
+    config = EngineArgs(
+        model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, max_num_batched_tokens=512,
+    ).create_engine_config()
+    prompts = {"a": _fresh(20, 1), "b": _fresh(33, 2), "c": _fresh(9, 3)}
+    core = EngineCore(config, lambda rank: UniProcExecutor(config))
+    for req_id, prompt in prompts.items():
+        core.add_request(_request(req_id, prompt, max_tokens=12))
+    expected = _tokens_until(core, lambda done: len(done) == 3)[0]
+    core.shutdown()
+    return config, prompts, expected
 
 
 def _tokens_until(

@@ -22,7 +22,9 @@ next steps; it waits only while no rank has a finished step. Nor do they
 die together: when a rank's worker group dies, its requests move to a fresh
 scheduler of that rank (recomputed from prompt plus emitted tokens, as after
 a preemption), its group is rebuilt on a thread (rank_recovery.py), and the
-other ranks step on meanwhile; only a rebuild that fails ends the engine.
+other ranks step on meanwhile; a new group that fails as it starts is tried
+again (restart_policy.RestartLimits), and only a rebuild that keeps failing
+ends the core.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.rank_recovery import RankRecovery
+from rayvllm.engine.restart_policy import RestartLimits
 from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.executor.base import Executor, ExecutorFactory, PendingOutput
 from rayvllm.kv_offload.factory import create_kv_tier
@@ -72,6 +75,9 @@ class EngineCore:
         # check found dead (added from the health check's thread, taken by
         # the stepping one). Set first: a failed start shuts down.
         self.recoveries: dict[int, RankRecovery] = {}
+        # The rule for starting a rank's group anew; a rebuilt group
+        # installed starts a new row.
+        self.rebuild_limits = RestartLimits()
         self._found_dead: set[int] = set()
         self.num_rank_rebuilds = 0
         self._wake_loop: Callable[[], None] | None = None
@@ -275,7 +281,7 @@ class EngineCore:
             scheduler.add_request(Request(request.resumed()))
         self.recoveries[rank] = RankRecovery(
             rank, self.executors[rank], lambda: self.executor_factory(rank),
-            self.config.cache_config.num_blocks, self._wake,
+            self.config.cache_config.num_blocks, self._wake, self.rebuild_limits, cause,
         )
 
     def _tend_recoveries(self, block: bool) -> None:
@@ -298,6 +304,7 @@ class EngineCore:
                 raise EngineDeadError(f"DP rank {rank} could not be rebuilt: {recovery.error!r}")
             self.executors[rank] = recovery.executor
             self.num_rank_rebuilds += 1
+            self.rebuild_limits.step_done()
 
     def _wake(self) -> None:
         wake = self._wake_loop
@@ -321,6 +328,7 @@ class EngineCore:
                 self._wake()
 
     def shutdown(self) -> None:
+        self.rebuild_limits.close()
         for recovery in self.recoveries.values():
             recovery.cancel()
         for executor in self.executors:
