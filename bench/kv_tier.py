@@ -72,7 +72,7 @@ def _kill_directory(kwargs: dict[str, Any]) -> None:
     import ray
 
     from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, directory_name
-    from rayvllm.engine_args import EngineArgs
+    from rayvllm.config.engine_args import EngineArgs
 
     oc = EngineArgs(**kwargs).create_engine_config().kv_offload_config
     if oc is None or oc.backend != "ray":

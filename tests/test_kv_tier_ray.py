@@ -16,13 +16,13 @@ import ray
 from hf_oracle import hf_greedy
 from rayvllm import LLM, SamplingParams
 from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, KVTierDirectory, directory_name
-from rayvllm.core.kv_cache_utils import hash_request_tokens
-from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine_types import KVOffloadStats, ModelRunnerOutput
-from rayvllm.engine_args import EngineArgs
 from rayvllm.executor.uniproc import UniProcExecutor
-from rayvllm.request import EngineCoreRequest
+from rayvllm.messages.block_hash import hash_request_tokens
+from rayvllm.messages.engine_types import KVOffloadStats, ModelRunnerOutput
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 BLOCK = 16
 NUM_NEW = 6

@@ -17,16 +17,23 @@ import pytest
 
 from rayvllm import LLM, SamplingParams, StructuredOutputsParams
 from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from rayvllm.core.kv_cache_utils import hash_block_tokens
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
-from rayvllm.engine_args import EngineArgs
-from rayvllm.engine_types import ModelRunnerOutput, SchedulerStats, SpecDecodeOutput, SpecDecodingStats, PrefixCacheStats
 from rayvllm.entrypoints.cli import build_parser, engine_args_from
-from rayvllm.errors import InvalidParameterError
+from rayvllm.frontend.metrics import EngineMetrics
 from rayvllm.kernels import cpu_attention
-from rayvllm.metrics import EngineMetrics
-from rayvllm.models.random_model import RandomModelSpec, build_random_model
-from rayvllm.request import EngineCoreRequest, FinishReason, Request
+from rayvllm.messages.block_hash import hash_block_tokens
+from rayvllm.messages.engine_types import (
+    ModelRunnerOutput,
+    SchedulerStats,
+    SpecDecodeOutput,
+    SpecDecodingStats,
+    PrefixCacheStats,
+)
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.request import EngineCoreRequest, FinishReason
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW, hf_greedy
 

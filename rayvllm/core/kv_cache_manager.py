@@ -30,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rayvllm.core.block_pool import BlockPool, BlockPoolListener, KVCacheBlock
-from rayvllm.core.kv_cache_utils import BlockHash, hash_block_tokens, request_extra_keys
-from rayvllm.engine_types import KVOffloadStats, PrefixCacheStats
+from rayvllm.core.kv_tier import KVTier
+from rayvllm.core.request import Request
 from rayvllm.kv_offload.manager import KVOffloadManager
-from rayvllm.kv_offload.tier import KVTier, KVTransfers
-from rayvllm.request import Request
+from rayvllm.messages.block_hash import BlockHash, hash_block_tokens, request_extra_keys
+from rayvllm.messages.engine_types import KVOffloadStats, PrefixCacheStats
+from rayvllm.messages.kv_transfers import KVTransfers
 
 
 class KVCacheManager:

@@ -36,16 +36,17 @@ from multiprocessing.connection import wait
 from rayvllm.config import EngineConfig
 from rayvllm.core.dp_router import DPRouter, RankLoad
 from rayvllm.core.prefix_index import PrefixIndex
-from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.rank_recovery import RankRecovery
-from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.factory import create_executor
 from rayvllm.kv_offload.factory import create_kv_tier
-from rayvllm.errors import EngineDeadError, StepFailedError
-from rayvllm.request import EngineCoreRequest, Request
+from rayvllm.messages.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

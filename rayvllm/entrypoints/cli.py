@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rayvllm.engine_args import EngineArgs
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.server_args import ServerArgs
-from rayvllm.errors import RayvllmError
+from rayvllm.messages.errors import RayvllmError
 
 
 def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
@@ -48,7 +48,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 def _generate(ns: argparse.Namespace) -> int:
     from rayvllm.entrypoints.llm import LLM
-    from rayvllm.sampling_params import SamplingParams
+    from rayvllm.messages.sampling_params import SamplingParams
 
     args = engine_args_from(ns)
     llm = LLM(**args.model_dump(exclude_unset=True))

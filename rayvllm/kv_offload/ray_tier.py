@@ -19,9 +19,9 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, KVTierDirectory, directory_name
-from rayvllm.core.kv_cache_utils import BlockHash
-from rayvllm.errors import InvalidParameterError
-from rayvllm.kv_offload.config import KVOffloadConfig
+from rayvllm.config.kv_offload import KVOffloadConfig
+from rayvllm.messages.block_hash import BlockHash
+from rayvllm.messages.errors import InvalidParameterError
 
 # A directory call or object read slower than this counts as a miss: the
 # block is recomputed rather than the step held up.

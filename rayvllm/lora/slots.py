@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from rayvllm.request import Request
+from rayvllm.core.request import Request
 
 
 class LoRASlots:

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from rayvllm.config import SpeculativeConfig, read_hf_config
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
-from rayvllm.sampling_params import SamplingParams
 from rayvllm.spec_decode.rejection_sampler import step_generator, target_probs
 from rayvllm.worker.sampler import categorical_inverse_cdf
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rayvllm.config import SpeculativeConfig
-from rayvllm.engine_types import SpecDecodeOutput
+from rayvllm.messages.engine_types import SpecDecodeOutput
 from rayvllm.spec_decode.draft_proposer import DraftModelProposer
 from rayvllm.spec_decode.eligibility import can_speculate, past_min_tokens
 from rayvllm.spec_decode.ngram_proposer import NgramProposer

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rayvllm.spec_decode.draft_proposer import DraftState

@@ -21,24 +21,24 @@ import numpy as np
 import torch
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.parallel_state import (
     ParallelContext,
     recv_from_prev_stage,
     send_to_next_stage,
 )
-from rayvllm.engine_types import LogprobsLists, ModelRunnerOutput, SpecDecodeOutput
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
-from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
-from rayvllm.lora.model_manager import LoRAModelManager
+from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kv_offload.block_io import KVBlockIO
 from rayvllm.kv_offload.factory import create_kv_block_io
+from rayvllm.lora.model_manager import LoRAModelManager
+from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput, SpecDecodeOutput
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
-from rayvllm.sampling_params import SamplingParams
 from rayvllm.spec_decode.speculator import Speculator
 from rayvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from rayvllm.worker.gpu_memory import kv_cache_budget, profile_memory

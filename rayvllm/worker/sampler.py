@@ -32,7 +32,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from rayvllm.engine_types import LogprobsTensors
+from rayvllm.messages.engine_types import LogprobsTensors
 from rayvllm.structured_output.bitmask import apply_token_bitmask_
 from rayvllm.worker.sampling_metadata import SamplingMetadata
 

@@ -17,9 +17,11 @@ from collections.abc import Iterable
 from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.core.kv_cache_manager import KVCacheManager
-from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from rayvllm.core.kv_tier import KVTier
+from rayvllm.core.request import Request
 from rayvllm.core.sched.request_queue import create_request_queue
-from rayvllm.engine_types import (
+from rayvllm.lora.slots import LoRASlots
+from rayvllm.messages.engine_types import (
     EngineCoreOutput,
     LogprobsLists,
     ModelRunnerOutput,
@@ -27,9 +29,8 @@ from rayvllm.engine_types import (
     SpecDecodeOutput,
     SpecDecodingStats,
 )
-from rayvllm.kv_offload.tier import KVTier
-from rayvllm.lora.slots import LoRASlots
-from rayvllm.request import FinishReason, Request, RequestStatus
+from rayvllm.messages.request import FinishReason, RequestStatus
+from rayvllm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from rayvllm.spec_decode.eligibility import can_speculate
 
 

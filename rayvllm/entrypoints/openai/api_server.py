@@ -19,8 +19,9 @@ from pydantic import BaseModel
 import ray
 from ray import serve
 
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,24 +30,23 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_request,
     parse_tokenize_request,
 )
-from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from rayvllm.entrypoints.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
-from rayvllm.errors import (
+from rayvllm.messages.errors import (
     AuthenticationError,
     EngineOverloadedError,
     InvalidParameterError,
     ModelNotFoundError,
     RequestTooLargeError,
 )
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import RequestOutput, RequestOutputKind
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from rayvllm.request import EngineCoreRequest, FinishReason
+from rayvllm.messages.request import EngineCoreRequest, FinishReason
 
 
 @dataclass

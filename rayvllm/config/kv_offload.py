@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 # "native": host memory of each worker (vLLM's CPU offloading); "ray": the
 # Ray object store, shared by every DP rank and replica of the same model.

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.config import LoRAConfig
-from rayvllm.kv_offload.config import KVOffloadConfig
+from rayvllm.config.kv_offload import KVOffloadConfig
+from rayvllm.config.lora import LoRAConfig
+from rayvllm.messages.errors import InvalidParameterError
 
 _DTYPES = {
     "float32": torch.float32,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 # The Llama family's projections an adapter may target (HF module names).
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
