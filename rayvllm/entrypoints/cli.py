@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.entrypoints.server_args import ServerArgs
+from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.messages.errors import RayvllmError
 
 

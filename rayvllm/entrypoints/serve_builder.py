@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.entrypoints.server_args import ServerArgs
+from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.executor.placement import deployment_bundles
 from rayvllm.messages.errors import InvalidParameterError
 

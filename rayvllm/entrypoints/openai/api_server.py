@@ -31,11 +31,11 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
 )
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from rayvllm.entrypoints.openai.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from rayvllm.entrypoints.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
 from rayvllm.messages.errors import (
     AuthenticationError,
     EngineOverloadedError,
