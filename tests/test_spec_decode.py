@@ -33,6 +33,7 @@ from rayvllm.messages.engine_types import (
 )
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.request import EngineCoreRequest, FinishReason
+from rayvllm.spec_decode.eligibility import can_speculate
 from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW, hf_greedy
@@ -202,6 +203,7 @@ def _scheduler(k: int = 3, budget: int = 64) -> Scheduler:
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=128),
         CacheConfig(block_size=4, num_blocks=64),
         speculative_config=SpeculativeConfig(num_speculative_tokens=k, method="ngram"),
+        can_speculate=can_speculate,
     )
 
 
