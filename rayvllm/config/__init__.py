@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
+from rayvllm.config.fields import ArgSpec, config_field
 from rayvllm.config.kv_offload import KVOffloadConfig
 from rayvllm.config.lora import LoRAConfig
 from rayvllm.messages.errors import InvalidParameterError
@@ -71,8 +73,10 @@ class PoolerConfig:
     (the default for embeddings; a request's `PoolingParams.normalize`
     overrides it)."""
 
-    pooling_type: str = "LAST"
-    normalize: bool = True
+    pooling_type: str = config_field(
+        "LAST: the last prompt token's hidden state; MEAN: the mean over the prompt", "LAST"
+    )
+    normalize: bool = config_field("L2-normalise the vector (a request's normalize overrides it)", True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
@@ -89,17 +93,42 @@ class ModelConfig:
     """Invariants: `max_model_len <= max_position_embeddings` unless rope
     scaling says otherwise; `hf_config` is the parsed config.json."""
 
-    model: str
-    tokenizer: str
-    dtype: torch.dtype
-    max_model_len: int
-    seed: int
+    model: str = config_field(
+        "the model's directory (config.json, safetensors weights, tokenizer); unset: the embedded demo model",
+        arg_type=str | None, arg_default=None,
+    )
+    tokenizer: str = config_field(
+        "the tokenizer's directory; unset: the model's", arg_type=str | None, arg_default=None
+    )
+    dtype: torch.dtype = config_field(
+        f"weights' and activations' dtype: auto (the checkpoint's; float32 on CPU), {', '.join(_DTYPES)}",
+        arg_type=str, arg_default="auto",
+    )
+    max_model_len: int = config_field(
+        "the longest prompt plus output, in tokens; unset: the model's max_position_embeddings",
+        arg_type=int | None, arg_default=None,
+    )
+    seed: int = config_field("the seed of random sampling", arg_default=0)
     hf_config: dict = field(repr=False)
-    served_model_name: str = ""
+    served_model_name: str = config_field(
+        "the model's name in the API; unset: model", "", arg_type=str | None, arg_default=None
+    )
     # "pooling": the model embeds prompts and never samples; then
     # `pooler_config` is set (and only then).
-    runner_type: str = "generate"
-    pooler_config: PoolerConfig | None = None
+    runner_type: str = config_field(
+        "generate: sample tokens; pooling: embed prompts; auto: pooling for a checkpoint without LM head "
+        "(or with task embed), else generate",
+        "generate", arg_name="runner", arg_default="auto",
+        also=(ArgSpec("vLLM's older switch: embed (or embedding) means runner pooling, generate means "
+                      "runner generate", name="task", type=str | None, default=None),),
+    )
+    pooler_config: PoolerConfig | None = config_field(
+        "how the pooling runner makes one vector of a prompt: a JSON object with the keys "
+        f"{', '.join(PoolerConfig.__dataclass_fields__)}",
+        None, arg_type=str | dict[str, Any] | None,
+        also=(ArgSpec("vLLM's older name of pooler_config; its keys win over pooler_config's",
+                      name="override_pooler_config", type=str | dict[str, Any] | None, default=None),),
+    )
 
     @classmethod
     def from_path(
@@ -172,11 +201,25 @@ class CacheConfig:
     """`num_blocks` is decided at engine start from the memory budget (or the
     override) and includes the null block 0."""
 
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
+    # The KV budget on CPU unless `kv_cache_memory_bytes` says otherwise
+    # (vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE, in GiB, for it).
+    CPU_KV_CACHE_BYTES: ClassVar[int] = 2 << 30
+
+    block_size: int = config_field("tokens per KV cache block (a power of two)", 16)
+    enable_prefix_caching: bool = config_field(
+        "reuse the KV cache blocks of a prompt prefix that an earlier request computed", True
+    )
+    gpu_memory_utilization: float = config_field(
+        "the fraction of the GPU's memory the engine may use (weights, activations, KV cache); "
+        "decides the KV cache's size on CUDA", 0.9,
+    )
+    kv_cache_memory_bytes: int | None = config_field(
+        "the KV cache's budget in bytes; unset: what gpu_memory_utilization leaves on CUDA, "
+        f"{CPU_KV_CACHE_BYTES >> 30} GiB on CPU", None,
+    )
+    num_gpu_blocks_override: int | None = config_field(
+        "this many KV cache blocks (the null block included), whatever the memory budget", None
+    )
     num_blocks: int = 0
 
     def __post_init__(self) -> None:
@@ -192,16 +235,33 @@ class CacheConfig:
             raise InvalidParameterError("num_gpu_blocks_override", "must be >= 2 (block 0 is the null block)")
 
 
+# A step's token budget unless `max_num_batched_tokens` says otherwise.
+MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = config_field("the most requests in one step's batch", 256)
+    max_num_batched_tokens: int = config_field(
+        f"the most tokens one step computes; unset: {MAX_NUM_BATCHED_TOKENS}, or max_model_len where that is "
+        "larger and chunked prefill is off",
+        MAX_NUM_BATCHED_TOKENS, arg_type=int | None, arg_default=None,
+    )
     max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
+    enable_chunked_prefill: bool = config_field(
+        "split a long prompt over steps, so that decoding requests keep running beside it", True
+    )
+    policy: str = config_field(
+        "fcfs: first come, first served; priority: by each request's priority, then arrival",
+        "fcfs", arg_name="scheduling_policy",
+    )
     # Schedule step k+1 while step k is still on the workers (decodes are
     # scheduled against the token step k will sample); see Scheduler.
-    async_scheduling: bool = False
+    async_scheduling: bool = config_field(
+        "schedule step k+1 while step k runs on the workers; unset: on with the Ray runtime and one rank "
+        "per worker group (the loop would otherwise leave the worker idle while it schedules), off in-process",
+        False, arg_type=bool | None, arg_default=None,
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -219,29 +279,43 @@ class SchedulerConfig:
             raise InvalidParameterError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+PLACEMENT_GROUP_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    # Ray placement of one worker group (TP x PP ranks, one bundle per rank).
-    placement_group_strategy: str = "PACK"
-    # Logical CPUs each CPU worker rank asks Ray for (GPU ranks ask for one GPU).
-    num_cpus_per_worker: float = 1.0
-    # How long to wait for a placement group to be placed, and for a process
-    # group to form and pass its preflight, before failing with names.
-    placement_group_timeout_s: float = 300.0
-    distributed_timeout_s: float = 60.0
+    tensor_parallel_size: int = config_field("ranks that split each layer (attention heads, MLP columns)", 1)
+    pipeline_parallel_size: int = config_field("ranks that split the layers into consecutive stages", 1)
+    data_parallel_size: int = config_field(
+        "engine cores, each with its own worker group, that share the requests", 1
+    )
+    distributed_executor_backend: str | None = config_field(
+        "uni: the worker runs in this process; ray: worker actors on the Ray cluster; unset: ray where "
+        "there is more than one rank (or a Ray KV tier), else uni", None,
+    )
+    # One bundle per rank of a worker group (TP x PP ranks).
+    placement_group_strategy: str = config_field(
+        f"Ray's placement of a worker group's ranks: {', '.join(PLACEMENT_GROUP_STRATEGIES)}", "PACK"
+    )
+    num_cpus_per_worker: float = config_field(
+        "logical CPUs each CPU worker rank asks Ray for (a GPU rank asks for one GPU)", 1.0
+    )
+    # Past these, fail with names rather than hang.
+    placement_group_timeout_s: float = config_field(
+        "seconds to wait for a worker group's placement group to be placed", 300.0
+    )
+    distributed_timeout_s: float = config_field(
+        "seconds for a worker group's process group to form and pass its preflight", 60.0
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.placement_group_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
+        if self.placement_group_strategy not in PLACEMENT_GROUP_STRATEGIES:
             raise InvalidParameterError(
                 "placement_group_strategy",
-                f"must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, got {self.placement_group_strategy!r}",
+                f"must be one of {', '.join(PLACEMENT_GROUP_STRATEGIES)}, got {self.placement_group_strategy!r}",
             )
         for name in ("num_cpus_per_worker", "placement_group_timeout_s", "distributed_timeout_s"):
             if getattr(self, name) <= 0:
@@ -263,6 +337,8 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
+# The n-gram lookup bounds when neither is given.
+PROMPT_LOOKUP_DEFAULT = 5
 
 
 @dataclass
@@ -274,13 +350,24 @@ class SpeculativeConfig:
     model with the target's vocabulary, run by the same worker). Each step
     verifies up to `num_speculative_tokens` drafts per request. As in vLLM,
     a `model` without `method` means "draft_model", and a missing lookup
-    bound takes the other's value (both 5 when neither is given)."""
+    bound takes the other's value (both PROMPT_LOOKUP_DEFAULT when neither
+    is given)."""
 
-    num_speculative_tokens: int
-    method: str = "draft_model"
-    model: str | None = None
-    prompt_lookup_max: int | None = None
-    prompt_lookup_min: int | None = None
+    num_speculative_tokens: int = config_field("drafts proposed, and verified, per request and step")
+    method: str = config_field(
+        "ngram: prompt lookup over the request's own tokens; draft_model: a smaller model with the "
+        "target's vocabulary; unset: draft_model when model is given, else ngram",
+        "draft_model", arg_type=str | None, arg_default=None,
+    )
+    model: str | None = config_field("the draft model's directory (method draft_model)", None)
+    prompt_lookup_max: int | None = config_field(
+        f"the longest n-gram looked up (method ngram); unset: prompt_lookup_min, or {PROMPT_LOOKUP_DEFAULT}",
+        None,
+    )
+    prompt_lookup_min: int | None = config_field(
+        f"the shortest n-gram looked up (method ngram); unset: prompt_lookup_max, or {PROMPT_LOOKUP_DEFAULT}",
+        None,
+    )
 
     @classmethod
     def from_user(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -331,7 +418,7 @@ class SpeculativeConfig:
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
                 raise bad(name, f"must be an integer >= 1, got {n!r}")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
-            self.prompt_lookup_max = self.prompt_lookup_min = 5
+            self.prompt_lookup_max = self.prompt_lookup_min = PROMPT_LOOKUP_DEFAULT
         elif self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
@@ -355,14 +442,26 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
-    device: str = "cpu"
-    max_logprobs: int = 20
-    attention_backend: str = "auto"
-    # Never capture CUDA graphs (the CPU is always eager).
-    enforce_eager: bool = False
-    speculative_config: SpeculativeConfig | None = None
+    device: str = config_field(
+        "cpu or cuda; auto: cuda where available", "cpu", arg_default="auto"
+    )
+    max_logprobs: int = config_field("the most logprobs (and prompt_logprobs) a request may ask for", 20)
+    attention_backend: str = config_field(
+        f"the attention kernels: {', '.join(ATTENTION_BACKENDS)}; with auto the environment variable "
+        f"{ATTENTION_BACKEND_ENV}, where set, decides, else the device and what is installed",
+        "auto",
+    )
+    enforce_eager: bool = config_field("never capture CUDA graphs (the CPU always runs eager)", False)
+    speculative_config: SpeculativeConfig | None = config_field(
+        'speculative decoding, a JSON object such as {"method": "ngram", "num_speculative_tokens": 3}; '
+        f"its keys: {', '.join(SpeculativeConfig.__dataclass_fields__)}",
+        None, arg_type=str | dict[str, Any] | None,
+    )
     # Set exactly when LoRA adapters are enabled (`enable_lora`).
-    lora_config: LoRAConfig | None = None
+    lora_config: LoRAConfig | None = config_field(
+        "serve LoRA adapters (max_loras, max_lora_rank and max_cpu_loras size the slots)",
+        None, arg_name="enable_lora", arg_type=bool, arg_default=False,
+    )
     # The second KV tier behind each rank's block pool (None: none).
     kv_offload_config: KVOffloadConfig | None = None
 

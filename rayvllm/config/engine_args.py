@@ -1,21 +1,21 @@
-"""`EngineArgs`: the user-facing engine knobs (pydantic, unknown keys rejected).
-
-Names and meanings follow vLLM's so that a vLLM user finds the same knobs.
-"""
+"""`EngineArgs`: the user-facing engine knobs (pydantic, unknown keys
+rejected), derived from the config dataclasses' fields (config_fields.py),
+and the rules that turn them into an `EngineConfig`."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from rayvllm.config import (
     ATTENTION_BACKEND_ENV,
+    MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -26,82 +26,58 @@ from rayvllm.config import (
     is_pooling_only,
     read_hf_config,
 )
+from rayvllm.config.fields import Argument, parse_value, user_arguments
 from rayvllm.config.kv_offload import GIB, KVOffloadConfig, kv_layout_fingerprint
 from rayvllm.config.lora import LoRAConfig
 from rayvllm.messages.errors import InvalidParameterError
 
 
-class EngineArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+# The config groups whose fields' arguments `EngineArgs` takes, by the
+# title docs/CONFIG.md gives each.
+ENGINE_ARG_GROUPS: dict[str, type] = {
+    "Model": ModelConfig,
+    "Cache": CacheConfig,
+    "Scheduler": SchedulerConfig,
+    "Parallel": ParallelConfig,
+    "Engine": EngineConfig,
+    "LoRA": LoRAConfig,
+    "KV offloading": KVOffloadConfig,
+}
+# Groups whose fields are the keys of an argument's JSON object.
+NESTED_ARG_GROUPS: dict[str, type] = {"speculative_config": SpeculativeConfig, "pooler_config": PoolerConfig}
 
-    model: str | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    # CPU KV cache budget; vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE (GiB) for this.
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    # None: on where it pays, the Ray path with single-rank worker groups
-    # (the loop there would otherwise leave the worker idle while it
-    # schedules); off in-process, where nothing would overlap.
-    async_scheduling: bool | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    placement_group_strategy: str = "PACK"
-    num_cpus_per_worker: float = 1.0
-    placement_group_timeout_s: float = 300.0
-    distributed_timeout_s: float = 60.0
-    device: str = "auto"
-    max_logprobs: int = 20
-    # "auto", "torch", "triton" or "flash_attn"; with "auto" the environment
-    # variable RAYVLLM_ATTENTION_BACKEND, when set, decides.
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    # vLLM's knobs for embedding models: runner "pooling" (or the older
-    # task "embed") pools the prompt's hidden states instead of sampling;
-    # the pooler config (a dict, or its JSON text from a command line)
-    # names pooling_type (LAST, MEAN) and normalize. override_pooler_config
-    # is vLLM's older name of the same.
-    runner: str = "auto"
-    task: str | None = None
-    pooler_config: str | dict[str, Any] | None = None
-    override_pooler_config: str | dict[str, Any] | None = None
-    # vLLM's speculative decoding config (a dict, or its JSON text from a
-    # command line): {"method": "ngram", "num_speculative_tokens": k, ...}
-    # or {"method": "draft_model", "model": path, ...}; see SpeculativeConfig.
-    speculative_config: str | dict[str, Any] | None = None
-    # vLLM's LoRA knobs (lora/config.py has their defaults and meaning).
-    enable_lora: bool = False
-    max_loras: int | None = None
-    max_lora_rank: int | None = None
-    max_cpu_loras: int | None = None
-    # vLLM's KV offloading: a second tier of this many GiB behind the KV
-    # cache, "native" (host memory) or "ray" (the Ray object store, shared
-    # by DP ranks and replicas of the same model; implies the Ray runtime).
-    kv_offloading_size: float | None = None
-    kv_offloading_backend: str = "native"
+
+def engine_arguments() -> list[Argument]:
+    """Every `EngineArgs` field, as its config dataclass declares it."""
+    return [arg for cls in ENGINE_ARG_GROUPS.values() for arg in user_arguments(cls)]
+
+
+def _engine_arg_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for arg in engine_arguments():
+        if arg.name in fields:
+            raise TypeError(f"two config fields take the argument {arg.name!r}")
+        fields[arg.name] = (arg.type, Field(arg.default, description=arg.help))
+    return fields
+
+
+class EngineArgs(
+    create_model(  # type: ignore[misc]
+        "EngineArgFields", __config__=ConfigDict(extra="forbid", protected_namespaces=()), **_engine_arg_fields()
+    )
+):
+    """The user-facing engine knobs: one field per argument of the config
+    dataclasses (`ENGINE_ARG_GROUPS`), with their defaults, types and help;
+    unknown keys are rejected. Names and meanings follow vLLM's, so that a
+    vLLM user finds the same knobs."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineArgs":
-        """Build from a plain dict, turning pydantic errors into one
-        `InvalidParameterError` that names every offending key."""
-        try:
-            return cls(**data)
-        except ValidationError as e:
-            names = ", ".join(".".join(str(p) for p in err["loc"]) for err in e.errors())
-            details = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-            raise InvalidParameterError(names, details) from None
+        """Build from a plain dict whose values may be text (a command
+        line's, `serve run ... key=value`), converted by each field's type;
+        pydantic errors become one `InvalidParameterError` naming every
+        offending key."""
+        return validate_args(cls, data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "EngineArgs":
@@ -165,13 +141,14 @@ class EngineArgs(BaseModel):
         return PoolerConfig(**given)
 
     def create_lora_config(self) -> LoRAConfig | None:
-        """None unless `enable_lora`; the LoRA knobs without it are an error."""
-        given = {k: v for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if (v := getattr(self, k)) is not None}
+        """None unless `enable_lora`; a LoRA knob set without it is an error."""
+        knobs = [arg.name for arg in user_arguments(LoRAConfig)]
         if not self.enable_lora:
+            given = [k for k in knobs if k in self.model_fields_set]
             if given:
                 raise InvalidParameterError(", ".join(given), "applies only with enable_lora=True")
             return None
-        return LoRAConfig(**given)
+        return LoRAConfig(**{k: getattr(self, k) for k in knobs})
 
     def create_parallel_config(self) -> ParallelConfig:
         """The worker layout alone (no model files read): what Serve needs to
@@ -229,7 +206,9 @@ class EngineArgs(BaseModel):
         )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
-            max_batched = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
+            max_batched = MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                max_batched = max(max_batched, model_config.max_model_len)
         parallel_config = self.create_parallel_config()
         return EngineConfig(
             model_config=model_config,
@@ -293,3 +272,21 @@ def _pooler_dict(name: str, value: str | dict[str, Any] | None) -> dict[str, Any
     if not isinstance(value, dict):
         raise InvalidParameterError(name, "must be an object such as {\"pooling_type\": \"MEAN\"}")
     return value
+
+
+_Args = TypeVar("_Args", bound=BaseModel)
+
+
+def validate_args(model: type[_Args], data: dict[str, Any]) -> _Args:
+    """`model` (`EngineArgs`, the server's options) from a plain dict whose
+    values may be text, converted by each field's type (`parse_value`);
+    pydantic's errors become one `InvalidParameterError` naming every
+    offending key (an unknown one included)."""
+    fields = model.model_fields
+    values = {k: parse_value(k, fields[k].annotation, v) if k in fields else v for k, v in data.items()}
+    try:
+        return model(**values)
+    except ValidationError as e:
+        names = ", ".join(".".join(str(p) for p in err["loc"]) for err in e.errors())
+        details = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise InvalidParameterError(names, details) from None

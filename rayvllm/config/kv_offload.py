@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rayvllm.config.fields import config_field
 from rayvllm.messages.errors import InvalidParameterError
 
 # "native": host memory of each worker (vLLM's CPU offloading); "ray": the
@@ -29,8 +30,16 @@ class KVOffloadConfig:
     `kv_layout_fingerprint`); blocks are shared only between engines whose
     fingerprints match."""
 
-    backend: str
-    size_bytes: int
+    backend: str = config_field(
+        "native: each worker's host memory; ray: the Ray object store, shared by the data-parallel ranks and "
+        "the replicas of the same model (implies the Ray runtime)",
+        arg_name="kv_offloading_backend", arg_default="native",
+    )
+    size_bytes: int = config_field(
+        "GiB of a second KV tier behind the KV cache, for blocks it evicts (needs enable_prefix_caching); "
+        "unset: no second tier",
+        arg_name="kv_offloading_size", arg_type=float | None, arg_default=None,
+    )
     fingerprint: str = ""
 
     def __post_init__(self) -> None:

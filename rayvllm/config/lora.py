@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rayvllm.config.fields import config_field
 from rayvllm.messages.errors import InvalidParameterError
 
 # The Llama family's projections an adapter may target (HF module names).
@@ -17,9 +18,11 @@ class LoRAConfig:
     loaded in host memory, ready to copy into a slot; no adapter's rank
     exceeds `max_lora_rank`."""
 
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    max_loras: int = config_field("adapters one step's batch may use at once (each holds a slot)", 1)
+    max_lora_rank: int = config_field("the highest rank of an adapter the engine takes", 16)
+    max_cpu_loras: int | None = config_field(
+        "adapters kept loaded in host memory, ready to copy into a slot; unset: max_loras", None
+    )
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

@@ -1,6 +1,6 @@
 """The client of a `SchedulerActor`'s engine loop (core_loop.py): the same
 methods as the in-process client, so `AsyncLLM` cannot tell them apart
-(DESIGN principle 1).
+(docs/ARCHITECTURE.md, principle 1).
 
 One direct connection (rpc_channel.py says why not Ray calls) carries both
 ways: inputs go out the moment the caller makes them, from any thread, in

@@ -57,7 +57,7 @@ def worker_bundles(parallel_config: ParallelConfig, device: str) -> list[Bundle]
     """One bundle per rank of a worker group, shaped by the device.
 
     GPU ranks reserve exactly one GPU and no CPU, so a small machine can still
-    host the scheduler and Serve beside them (DESIGN principle 8)."""
+    host the scheduler and Serve beside them (docs/ARCHITECTURE.md, principle 8)."""
     kind = device.split(":", 1)[0]
     if kind == "cuda":
         bundle: Bundle = {"GPU": 1.0}

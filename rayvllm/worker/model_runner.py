@@ -49,9 +49,6 @@ from rayvllm.worker.sampler import Sampler
 from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata
 from rayvllm.worker.structured_outputs import GrammarBitmask, StructuredOutputManager
 
-_DEFAULT_CPU_KV_BYTES = 2 << 30
-
-
 @dataclass
 class _StepPlan:
     """Flat-batch layout of one step: requests in batch order (decodes first;
@@ -162,7 +159,7 @@ class ModelRunner:
             self._bind_kv_caches(1)
             budget = kv_cache_budget(profile_memory(self.device, self.profile_run), cc.gpu_memory_utilization)
         else:
-            budget = _DEFAULT_CPU_KV_BYTES
+            budget = cc.CPU_KV_CACHE_BYTES
         max_useful = self.config.scheduler_config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
         num_blocks = min(budget // self.kv_bytes_per_block(), max_useful)
         if num_blocks < 2:

@@ -1,7 +1,7 @@
 """The `LLMServer` Ray Serve deployment: OpenAI HTTP routes plus Python handle methods.
 
 One replica holds the Processor and the asyncio engine loop (`AsyncLLM`);
-the engine core runs in the SchedulerActor with its worker groups (DESIGN),
+the engine core runs in the SchedulerActor with its worker groups (docs/ARCHITECTURE.md),
 so the replica itself asks Ray for no CPU. HTTP errors are OpenAI-style
 JSON bodies carrying the status of the `RayvllmError` raised.
 """
@@ -31,7 +31,7 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
 )
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
-from rayvllm.entrypoints.openai.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
+from rayvllm.entrypoints.openai.server_args import PENDING_PER_SEQ, ServerArgs, default_max_pending_prompt_tokens
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
@@ -128,22 +128,11 @@ class LLMServer:
     """Invariant: one `AsyncLLM` per replica, started with the replica and
     shut down with it; every route and handle method goes through it."""
 
-    def __init__(
-        self,
-        engine_args: dict[str, Any],
-        api_key: str | None = None,
-        max_pending_requests: int | None = None,
-        max_pending_prompt_tokens: int | None = None,
-        max_request_bytes: int | None = None,
-        trust_request_chat_template: bool = False,
-        step_timeout_s: float | None = None,
-        enable_auto_tool_choice: bool = False,
-        tool_call_parser: str | None = None,
-        lora_modules: list[str] | str | None = None,
-        allow_runtime_lora_updating: bool = False,
-    ) -> None:
-        """Server options as `server_args.ServerArgs` documents them
-        (its defaults are the served ones; None here means no limit)."""
+    def __init__(self, engine_args: dict[str, Any], **server_args: Any) -> None:
+        """`server_args`: `ServerArgs` fields; an unset one takes its default there."""
+        server = ServerArgs.from_dict(server_args)
+        max_pending_requests = server.max_pending_requests
+        max_pending_prompt_tokens = server.max_pending_prompt_tokens
         args = EngineArgs.from_dict(engine_args)
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
@@ -159,20 +148,21 @@ class LLMServer:
         self.engine = AsyncLLM(
             config, max_pending_requests=max_pending_requests, max_pending_prompt_tokens=max_pending_prompt_tokens,
             reserved_pg=ray.util.get_current_placement_group(),
-            step_timeout_s=step_timeout_s,
+            step_timeout_s=server.step_timeout_s,
         )
         serving_args = ([self.engine.served_model_name], self.engine.max_model_len)
         self.models = OpenAIServingModels(
-            *serving_args, root=config.model_config.model, lora_modules=parse_lora_modules(lora_modules),
+            *serving_args, root=config.model_config.model, lora_modules=parse_lora_modules(server.lora_modules),
             check_lora=self.engine.processor.lora.check,
         )
         self.serving = OpenAIServing(
-            self.engine, *serving_args, trust_request_chat_template=trust_request_chat_template,
-            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser, models=self.models,
+            self.engine, *serving_args, trust_request_chat_template=server.trust_request_chat_template,
+            enable_auto_tool_choice=server.enable_auto_tool_choice, tool_call_parser=server.tool_call_parser,
+            models=self.models,
         )
         self.embedding = OpenAIServingEmbedding(self.engine, *serving_args, models=self.models)
         self.responses = OpenAIServingResponses(self.engine, *serving_args, models=self.models)
-        self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        self.allow_runtime_lora_updating = server.allow_runtime_lora_updating
         self._multiplexed_lora = None
         if config.lora_config is not None:
             # Serve model multiplexing: a replica reports the adapters it
@@ -187,8 +177,8 @@ class LLMServer:
             self._multiplexed_lora = serve.multiplexed(
                 max_num_models_per_replica=config.lora_config.max_cpu_loras
             )(lora_for)
-        self.api_key = api_key
-        self.max_request_bytes = max_request_bytes
+        self.api_key = server.api_key
+        self.max_request_bytes = server.max_request_bytes
 
     def _authorize(self, request: Request) -> None:
         """With an API key set, the API routes (not /health or /metrics,
