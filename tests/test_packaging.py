@@ -4,6 +4,7 @@ them one by one, so a folder left out is missing from the wheel."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -60,10 +61,18 @@ def _has_build_backend() -> bool:
 
 @pytest.mark.skipif(not _has_build_backend(), reason="this interpreter lacks setuptools>=68 with a wheel builder")
 def test_a_plain_install_imports_every_module(tmp_path: Path) -> None:
+    # Built from a copy of the sources: a build/ left in the checkout would
+    # carry modules deleted since into the wheel, and the checkout stays clean.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ["pyproject.toml", "README.md", *(f"{m}.py" for m in SETUPTOOLS["py-modules"])]:
+        shutil.copy2(REPO / name, source / name)
+    for folder in set(SETUPTOOLS["package-dir"].values()):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path / "site"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
-         "--target", str(target), str(REPO)],
+         "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-3000:]
