@@ -34,7 +34,7 @@ from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, direct_ingress_env, split_args
 from rayvllm.executor.placement import deployment_bundles
 from rayvllm.models.loader import MODEL_REGISTRY
-from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.model_executor.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = ROOT / "serve_config.yaml"

@@ -11,7 +11,7 @@ import torch
 from rayvllm import LLM, SamplingParams
 from rayvllm.config import resolve_dtype
 from rayvllm.models.loader import load_model
-from rayvllm.worker.gpu_memory import MemoryProfile, kv_cache_budget, profile_memory
+from rayvllm.model_executor.gpu_memory import MemoryProfile, kv_cache_budget, profile_memory
 
 GiB = 1 << 30
 

@@ -40,6 +40,8 @@ from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.demo import demo_model_path
 from rayvllm.utils.tokenizer import get_tokenizer
 
+from processor_engine import ProcessorEngine
+
 MAX_MODEL_LEN = 64
 MODEL = "demo"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
@@ -77,22 +79,23 @@ class FakeStream:
             await self.outputs.aclose()
 
 
-class FakeEngine:
+class FakeEngine(ProcessorEngine):
     """`EngineClient` with scripted DELTA outputs; records what it was asked
     and which streams were closed before their end (= aborted)."""
 
     def __init__(self, processor: Processor, gen: list[list[int]], alt: list[int]) -> None:
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        super().__init__(processor, MODEL)
         self.gen = gen
         self.alt = alt
         self.requests: list[EngineCoreRequest] = []
         self.finished: list[str] = []
         self.aborted: list[str] = []
         self.fail_after_steps: int | None = None
-        self.step_delay = 0.0
         # When set, no output is produced until it is (a first token still being computed).
         self.gate: asyncio.Event | None = None
+        # When set, each stream stops after its first output (mid-generation),
+        # puts its request id here and waits until it is closed.
+        self.held: asyncio.Queue[str] | None = None
 
     def add_request(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True,
@@ -111,7 +114,10 @@ class FakeEngine:
         for number, output in enumerate(self._script(request, prompt_text)):
             if self.fail_after_steps is not None and number == self.fail_after_steps:
                 raise EngineDeadError("the engine died")
-            await asyncio.sleep(self.step_delay)
+            if self.held is not None and number == 1:
+                self.held.put_nowait(request.request_id)
+                await asyncio.Event().wait()  # never set: only closing the stream ends this
+            await asyncio.sleep(0)  # a step boundary: the other streams' outputs interleave
             yield output
 
     def decode(self, token_ids: list[int]) -> str:
@@ -618,12 +624,12 @@ def test_a_stream_never_iterated_still_aborts_on_close(serving: OpenAIServing, e
 
 
 def test_cancelling_a_whole_response_aborts(serving: OpenAIServing, engine: FakeEngine) -> None:
-    engine.step_delay = 0.05
-
     async def run() -> None:
+        engine.held = asyncio.Queue()
         req = completion_req(prompt=["hello", "the cat"], max_tokens=3)
         task = asyncio.create_task(serving.create_completion(req, "r"))
-        await asyncio.sleep(0.07)
+        # Both requests have sent their first output and are mid-generation.
+        assert sorted([await engine.held.get(), await engine.held.get()]) == ["r-0", "r-1"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -28,6 +28,7 @@ from rayvllm.frontend.processor import Processor  # noqa: E402
 from rayvllm.messages.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from rayvllm.messages.sampling_params import SamplingParams  # noqa: E402
 
+from processor_engine import ProcessorEngine  # noqa: E402
 from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, served  # noqa: E402
 
 MODEL = "tiny"
@@ -188,10 +189,9 @@ class _OneOutput:
         self.closed = True
 
 
-class _ScriptedEngine:
+class _ScriptedEngine(ProcessorEngine):
     def __init__(self, processor: Processor, text: str, finish_reason: str) -> None:
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        super().__init__(processor, MODEL)
         self.text = text
         self.finish_reason = finish_reason
 

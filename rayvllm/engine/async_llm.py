@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -482,3 +482,30 @@ class AsyncLLM:
         # The step thread may be inside the core; shut the core down after it.
         self._thread.submit(self.engine_core.shutdown).result()
         self._thread.shutdown(wait=True)
+
+    # ---- what the serving layer asks (its EngineClient protocol) -----------------------
+
+    @property
+    def model_path(self) -> str:
+        return self.model_config.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
+
+    def check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        self.processor.check_runner(params)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        self.processor.lora.check(lora_request)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.processor.tokenize(text, add_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+        return self.processor.render_chat(messages, **options)
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        """The Prometheus text of fresh metrics, and its Content-Type."""
+        await self.refresh_stats()
+        return self.metrics.render()

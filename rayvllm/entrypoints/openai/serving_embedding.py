@@ -28,7 +28,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         `f"{request_id}-{index}"`."""
         model = self._model_name(req.model)
         params = req.to_pooling_params()
-        self.engine.processor.check_runner(params)
+        self.engine.check_runner(params)
         with _named_for(req):  # type: ignore[arg-type]
             prompts = _completion_prompts(req.input)
         streams = await self._start(req, prompts, params, request_id)  # type: ignore[arg-type]

@@ -1,8 +1,8 @@
 """Token sampler with vLLM v1 semantics, tuned for the per-step hot path.
 
-Order of operations (as in vLLM v1):
-  0. the grammar bitmask of structured-output rows (disallowed tokens ->
-     -inf; vLLM applies it before its sampler, so logprobs see it too);
+Order of operations (as in vLLM v1; a grammar's bitmask is applied to the
+logits before the sampler, by the structured-output extension, so logprobs
+see it too):
   1. logprobs, if any row asked, from the raw logits (log_softmax);
   2. logit bias, min_tokens (stop ids -> -inf), penalties
      (repetition, frequency, presence);
@@ -33,8 +33,7 @@ from typing import Literal, Sequence
 import torch
 
 from rayvllm.messages.engine_types import LogprobsTensors
-from rayvllm.structured_output.bitmask import apply_token_bitmask_
-from rayvllm.worker.sampling_metadata import SamplingMetadata
+from rayvllm.model_executor.sampling_metadata import SamplingMetadata
 
 SamplingMethod = Literal["auto", "inverse_cdf", "exponential_race"]
 
@@ -266,8 +265,6 @@ class Sampler:
             )
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if md.grammar_bitmask is not None:
-            apply_token_bitmask_(logits, md.grammar_bitmask, md.grammar_rows)
 
         # vLLM v1 returns logprobs of the raw model output, before any
         # processing; they go to their own buffer, so later in-place edits

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rayvllm.config import PoolerConfig
-from rayvllm.worker.input_batch import CachedRequestState
+from rayvllm.model_executor.input_batch import CachedRequestState
 
 
 class Pooler:

@@ -8,16 +8,12 @@ rather than per-token Python work.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rayvllm.messages.pooling_params import PoolingParams
 from rayvllm.messages.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from rayvllm.spec_decode.draft_proposer import DraftState
 
 
 @dataclass
@@ -39,8 +35,6 @@ class CachedRequestState:
     # A pooling request's params, and its mean pooling's running sum over chunks.
     pooling_params: PoolingParams | None = None
     pooled_sum: torch.Tensor | None = None
-    # A draft model's progress on this request (speculative decoding).
-    draft: "DraftState | None" = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,10 @@ The runner mirrors the scheduler's view of each request in an `InputBatch`
 (full data arrives once, then deltas) and appends the tokens it samples
 itself, so a decode step needs nothing from the scheduler but block ids.
 
+Features (LoRA, speculative decoding, structured outputs, KV copies to a
+second tier) join the step as `ModelRunnerExtension`s (extension.py), given
+by whoever builds the runner; the runner imports none of them.
+
 The attention backend (kernels/backends.py) decides the KV cache layout and
 which attention metadata a step carries. On CUDA the runner also sizes the
 KV cache by profiling the largest step, and replays CUDA graphs for decode
@@ -14,7 +18,7 @@ samples randomly or uses penalties, biases or logprobs (pageable copies).
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,23 +35,26 @@ from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.kernels.omp_runtime import release_thread_team
-from rayvllm.kv_offload.block_io import KVBlockIO
-from rayvllm.kv_offload.factory import create_kv_block_io
-from rayvllm.lora.model_manager import LoRAModelManager
-from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput, SpecDecodeOutput
+from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.messages.scheduler_output import SchedulerOutput
+from rayvllm.model_executor.cuda_graph import CudaGraphRunner, capture_sizes
+from rayvllm.model_executor.extension import ModelRunnerExtension
+from rayvllm.model_executor.extension_context import (
+    BeginStepContext,
+    LogitsContext,
+    ModelLoadContext,
+    PrepareInputsContext,
+    SampleContext,
+)
+from rayvllm.model_executor.gpu_memory import kv_cache_budget, profile_memory
+from rayvllm.model_executor.input_batch import CachedRequestState, InputBatch
+from rayvllm.model_executor.pooler import Pooler
+from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
+from rayvllm.model_executor.sampler import Sampler
+from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
-from rayvllm.spec_decode.speculator import Speculator
-from rayvllm.worker.cuda_graph import CudaGraphRunner, capture_sizes
-from rayvllm.worker.gpu_memory import kv_cache_budget, profile_memory
-from rayvllm.worker.input_batch import CachedRequestState, InputBatch
-from rayvllm.worker.pooler import Pooler
-from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
-from rayvllm.worker.sampler import Sampler
-from rayvllm.worker.sampling_metadata import RequestSamplingState, build_sampling_metadata
-from rayvllm.worker.structured_outputs import GrammarBitmask, StructuredOutputManager
 
 @dataclass
 class _StepPlan:
@@ -66,9 +73,16 @@ class ModelRunner:
     """One rank's runner. Under tensor/pipeline parallelism every rank of a
     group runs `execute_model` on the same SchedulerOutput; only the driver
     rank (`ParallelContext.is_driver`) samples and returns tokens, the others
-    return an empty output and append the tokens the scheduler sends back."""
+    return an empty output and append the tokens the scheduler sends back.
+    `extensions` are the features this rank runs (see extension.py), called
+    in their order at every hook."""
 
-    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        parallel: ParallelContext | None = None,
+        extensions: Sequence[ModelRunnerExtension] = (),
+    ) -> None:
         self.config = config
         self.parallel = parallel or ParallelContext()
         self.model_config = config.model_config
@@ -81,8 +95,7 @@ class ModelRunner:
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
         )
         self.sampler = Sampler()
-        # Grammar matchers live where tokens are sampled.
-        self.structured = StructuredOutputManager(self.model_config) if self.parallel.is_driver else None
+        self.extensions = list(extensions)
         # A pooling runner returns vectors and never computes logits.
         pooler_config = self.model_config.pooler_config
         self.pooler = Pooler(pooler_config) if pooler_config is not None else None
@@ -101,12 +114,6 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs: CudaGraphRunner | None = None
-        # Speculative decoding happens where tokens are sampled.
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self) if spec is not None and self.parallel.is_driver else None
-        # Adapter slots around the projections, when LoRA is enabled.
-        self.lora: LoRAModelManager | None = None
-        self.kv_block_io: KVBlockIO | None = None
 
     # ---- setup -------------------------------------------------------------------
 
@@ -123,19 +130,17 @@ class ModelRunner:
             fused_kv_write=self.attn_backend.fused_cpu_kv_write,
             with_lm_head=self.pooler is None,
         )
-        if self.speculator is not None and self.speculator.drafter is not None:
-            self.speculator.drafter.load_model()
-        if self.config.lora_config is not None:
-            self.lora = LoRAModelManager(
-                self.model, self.config.lora_config, self.dtype, self.device, self._to_device
-            )
+        ctx = ModelLoadContext(
+            self.model, self.dtype, self.device, self.attn_backend.fused_cpu_kv_write, self._to_device
+        )
+        for ext in self.extensions:
+            ext.load_model(ctx)
 
     def _kv_models(self) -> list[LlamaForCausalLM]:
-        """Models whose KV this rank caches: the target, and a draft model
-        (in the same blocks, see spec_decode/draft_proposer.py)."""
+        """Models whose KV this rank caches in the same blocks: the target,
+        then those of its extensions (a draft model)."""
         assert self.model is not None
-        drafter = self.speculator.drafter if self.speculator is not None else None
-        return [self.model] if drafter is None or drafter.model is None else [self.model, drafter.model]
+        return [self.model, *(model for ext in self.extensions for model in ext.kv_cache_models())]
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block across this rank's layers and KV heads."""
@@ -178,8 +183,8 @@ class ModelRunner:
         live teams slow every parallel region (kernels/omp_runtime.py); a
         thread that goes on to step simply makes its team again."""
         self.kv_caches = self._bind_kv_caches(num_blocks)
-        shard = self.parallel.pp_rank * self.parallel.tp_size + self.parallel.tp_rank
-        self.kv_block_io = create_kv_block_io(self.config, shard, self.kv_caches)
+        for ext in self.extensions:
+            ext.initialize_kv_cache(self.kv_caches)
         if self._cuda_graphs_enabled():
             self._capture_cuda_graphs()
         release_thread_team()
@@ -212,8 +217,7 @@ class ModelRunner:
             and self.attn_backend.supports_cuda_graphs
             and self.parallel.tp_size == 1
             and self.parallel.pp_size == 1
-            # A step's adapter mask is not among a graph's static inputs.
-            and self.config.lora_config is None
+            and all(ext.supports_cuda_graphs for ext in self.extensions)
         )
 
     @torch.inference_mode()
@@ -276,8 +280,8 @@ class ModelRunner:
         return t if self.on_cpu else t.pin_memory().to(self.device, non_blocking=True)
 
     def shutdown(self) -> None:
-        if self.structured is not None:
-            self.structured.shutdown()
+        for ext in self.extensions:
+            ext.shutdown()
 
     # ---- one step ----------------------------------------------------------------
 
@@ -285,13 +289,9 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             batch.remove(req_id)
-            if self.structured is not None:
-                self.structured.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove(new.req_id)  # resumed after preemption: start over
             params = new.sampling_params
-            if self.structured is not None:
-                self.structured.add_request(new.req_id, params, new.output_token_ids)
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(device=self.device)
@@ -427,23 +427,22 @@ class ModelRunner:
             )
         return metadata
 
+    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The step's copies to and from the second KV tier, then the step."""
-        failed = self.kv_block_io.apply(so.kv_transfers) if so.kv_transfers and self.kv_block_io else []
+        """The persistent batch follows `so`, the extensions begin the step
+        (KV copies to and from a second tier among them), then the step."""
+        self._update_states(so)
+        begin = BeginStepContext(so)
+        for ext in self.extensions:
+            ext.begin_step(begin)
         output = self._execute_model(so)
-        output.kv_load_failures = failed
+        output.kv_load_failures = begin.kv_load_failures
         return output
 
-    @torch.inference_mode()
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
-        if self.lora is not None:
-            self.lora.update(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], None, {})
         plan = self._plan(so)
-        if self.lora is not None:
-            self.lora.set_step([s.req_id for s in plan.states], plan.q_lens)
         # Sample only for requests whose scheduled tokens reach their end;
         # the others are mid-way through a chunked prefill.
         ends = plan.starts + plan.q_lens
@@ -455,10 +454,9 @@ class ModelRunner:
             verify_idx = [i for i in sample_idx if plan.states[i].req_id in drafts]
             sample_idx = [i for i in sample_idx if plan.states[i].req_id not in drafts]
         sampled_states = [plan.states[i] for i in sample_idx]
-        # Filled on the fill thread while the forward runs.
-        grammar = None
-        if self.structured is not None and self.structured.has_requests:
-            grammar = self.structured.prepare_bitmask([s.req_id for s in sampled_states])
+        prepare = PrepareInputsContext(plan.states, plan.q_lens, sampled_states)
+        for ext in self.extensions:
+            ext.prepare_inputs(prepare)
         hidden = self._replay_decode(plan) if self.cuda_graphs is not None else None
         if hidden is None:
             input_ids, positions, metadata = self._prepare_inputs(plan)
@@ -486,32 +484,32 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, self._to_device(torch.from_numpy(rows))))
         if logits is None:  # a TP rank that only contributed its vocabulary shard
             return ModelRunnerOutput([], [], None, {})
+        verify_states = [plan.states[i] for i in verify_idx]
+        logits_ctx = LogitsContext(logits, sampled_states, verify_states, drafts)
+        for ext in self.extensions:
+            ext.before_sample(logits_ctx)
         token_ids: list[int] = []
         logprobs = None
         if sample_idx:
-            token_ids, logprobs = self._sample(logits[: len(sample_idx)], sampled_states, grammar)
-        spec_out: SpecDecodeOutput | None = None
-        if self.speculator is not None:
-            verify_states = [plan.states[i] for i in verify_idx]
-            spec_out = self.speculator.step(verify_states, logits[len(sample_idx) :], drafts, sampled_states)
+            token_ids, logprobs = self._sample(logits_ctx.sampling_logits, sampled_states)
+        batch = self.input_batch
+        sample = SampleContext(
+            sampled_states, token_ids, verify_states, logits_ctx.verify_logits, drafts,
+            batch.token_ids, self.forward_positions, batch.append_token,
+        )
+        for ext in self.extensions:
+            ext.after_sample(sample)
         return ModelRunnerOutput(
-            [s.req_id for s in sampled_states], token_ids, logprobs, prompt_logprobs, spec_decode=spec_out
+            [s.req_id for s in sampled_states], token_ids, logprobs, prompt_logprobs, spec_decode=sample.spec_decode
         )
 
     def _sample(
-        self, logits: torch.Tensor, sampled_states: list[CachedRequestState], grammar: Future[GrammarBitmask] | None
+        self, logits: torch.Tensor, sampled_states: list[CachedRequestState]
     ) -> tuple[list[int], LogprobsLists | None]:
         """One token per row, appended to the batch; with logprob rows when asked."""
-        metadata_s = build_sampling_metadata(sampled_states, logits.shape[-1])
-        if grammar is not None:
-            masks = grammar.result()
-            metadata_s.grammar_bitmask, metadata_s.grammar_rows = masks.bitmask, masks.rows
-        out = self.sampler(logits, metadata_s)
+        out = self.sampler(logits, build_sampling_metadata(sampled_states, logits.shape[-1]))
         # The step's one unavoidable sync: ids stay on the device until here.
         token_ids: list[int] = out.sampled_token_ids.tolist()
-        if grammar is not None:
-            assert self.structured is not None
-            self.structured.accept_tokens([s.req_id for s in sampled_states], token_ids)
         for state, token in zip(sampled_states, token_ids):
             self.input_batch.append_token(state, token)
         return token_ids, out.logprobs.tolists() if out.logprobs is not None else None

@@ -131,13 +131,6 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None = None  # [NO] float32
     presence_penalties: torch.Tensor | None = None  # [NO] float32
 
-    # --- structured outputs: a token bitmask (xgrammar's layout) ------------
-    # One row per batch row; the rows `grammar_rows` (None: all) are
-    # constrained. Set by the runner, not the builder: the masks are filled
-    # on the fill thread while the forward runs.
-    grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32
-    grammar_rows: list[int] | None = None
-
     @property
     def needs_processing(self) -> bool:
         """True when some logits must change before argmax/sampling."""
