@@ -41,17 +41,8 @@ LAYERS: list[tuple[str, ...]] = [
 
 # Arrows other work in flight removes (issue 26), by owner. Each must still
 # exist: an entry whose arrow is gone fails the test, so the set only shrinks.
-_PLUGINS = "plugins (speculation gets a per-step context, not the ModelRunner)"
 _LOOP = "loop (the Ray layer on top: engine and executor stop importing actors)"
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("rayvllm.spec_decode.draft_proposer", "rayvllm.worker.input_batch"): _PLUGINS,
-    ("rayvllm.spec_decode.draft_proposer", "rayvllm.worker.model_runner"): _PLUGINS,
-    ("rayvllm.spec_decode.draft_proposer", "rayvllm.worker.sampler"): _PLUGINS,
-    ("rayvllm.spec_decode.rejection_sampler", "rayvllm.worker.prompt_logprobs"): _PLUGINS,
-    ("rayvllm.spec_decode.rejection_sampler", "rayvllm.worker.sampler"): _PLUGINS,
-    ("rayvllm.spec_decode.speculator", "rayvllm.worker.input_batch"): _PLUGINS,
-    ("rayvllm.spec_decode.speculator", "rayvllm.worker.model_runner"): _PLUGINS,
-    ("rayvllm.spec_decode.speculator", "rayvllm.worker.structured_outputs"): _PLUGINS,
     ("rayvllm.engine.ray_core_client", "rayvllm.actors.scheduler_actor"): _LOOP,
     ("rayvllm.executor.ray_executor", "rayvllm.actors.worker_actor"): _LOOP,
 }
