@@ -21,12 +21,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Bottom first. A module belongs to the layer of its longest listed prefix;
+# The floors of docs/ARCHITECTURE.md, L0 (bottom) to L11. A module belongs to
+# the layer of its longest listed prefix;
 # `rayvllm` alone is the package root (__init__.py: the public API).
 LAYERS: list[tuple[str, ...]] = [
     ("rayvllm.messages",),  # everything that crosses a process or package boundary
-    ("rayvllm.utils",),  # cache paths, tokenizer loading, the demo model's checkpoint
-    ("rayvllm.config",),  # config dataclasses and EngineArgs (which builds the demo model)
+    # Config dataclasses and EngineArgs; utils (cache paths, tokenizer loading,
+    # the demo model's checkpoint) sit beside them: EngineArgs builds the demo
+    # model when none is given, and utils imports no config (no folder cycle).
+    ("rayvllm.config", "rayvllm.utils"),
     ("rayvllm.kernels", "rayvllm.distributed"),
     ("rayvllm.layers", "rayvllm.models"),
     ("rayvllm.core",),  # block pool, KV cache manager, scheduler; its protocols for the features
