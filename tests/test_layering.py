@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # The floors of docs/ARCHITECTURE.md, L0 (bottom) to L11. A module belongs to
-# the layer of its longest listed prefix;
-# `rayvllm` alone is the package root (__init__.py: the public API).
+# the layer of its longest listed prefix; `rayvllm` alone is the package root
+# (__init__.py: the public API).
 LAYERS: list[tuple[str, ...]] = [
     ("rayvllm.messages",),  # everything that crosses a process or package boundary
     # Config dataclasses and EngineArgs; utils (cache paths, tokenizer loading,
