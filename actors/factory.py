@@ -1,6 +1,6 @@
-"""Where in-process or Ray is decided, above every engine and executor
-class (none of them knows the other kind): the worker group of a DP rank,
-the engine core client, and the engines built from `EngineArgs`.
+"""Where in-process or Ray is decided for the engine, above every engine
+class (none of them knows the other kind): the engine core client and the
+engines built from `EngineArgs` (a DP rank's worker group: executor_factory.py).
 
 Ray is imported only when the Ray kind is asked for (any parallel size
 above 1, or `distributed_executor_backend="ray"`): the in-process engine
@@ -11,24 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayvllm.actors.executor_factory import create_executor
 from rayvllm.config import EngineConfig
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.engine.core_client import EngineCoreClient, InprocClient
 from rayvllm.engine.llm_engine import LLMEngine
-from rayvllm.engine_args import EngineArgs
-from rayvllm.executor.base import Executor
-from rayvllm.executor.uniproc import UniProcExecutor
-
-
-def create_executor(config: EngineConfig, dp_rank: int = 0, reserved_pg: Any = None) -> Executor:
-    """The worker group of one data-parallel rank: Ray actors when any
-    parallel size exceeds 1 or the Ray backend is asked for, else in-process.
-    `reserved_pg`: the Serve replica's placement group (see RayExecutor)."""
-    if config.parallel_config.use_ray:
-        from rayvllm.actors.ray_executor import RayExecutor
-
-        return RayExecutor(config, dp_rank, reserved_pg)
-    return UniProcExecutor(config)
 
 
 def make_engine_core(config: EngineConfig, reserved_pg: Any = None) -> EngineCoreClient:

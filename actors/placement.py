@@ -37,7 +37,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayvllm.config import ParallelConfig
-from rayvllm.errors import InvalidParameterError, PlacementError
+from rayvllm.messages.errors import InvalidParameterError, PlacementError
 
 Bundle = dict[str, float]
 

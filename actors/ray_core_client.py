@@ -20,7 +20,7 @@ from rayvllm.config import EngineConfig, ParallelConfig
 from rayvllm.distributed.rpc_channel import connect
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.local_pipe import CoreConnection, SocketConnection
-from rayvllm.errors import EngineDeadError
+from rayvllm.messages.errors import EngineDeadError
 
 
 def ensure_ray_initialized(pc: ParallelConfig) -> None:

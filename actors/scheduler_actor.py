@@ -16,7 +16,7 @@ from multiprocessing.connection import Listener
 import ray
 import torch
 
-from rayvllm.actors.factory import create_executor
+from rayvllm.actors.executor_factory import create_executor
 from rayvllm.actors.placement import scheduler_hosts_worker
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import accept, open_listener

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rayvllm.processor import Processor
+from rayvllm.frontend.processor import Processor
 
 
 class ProcessorEngine:

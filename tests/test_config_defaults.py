@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 
 from rayvllm.config import CacheConfig, SchedulerConfig
-from rayvllm.config_fields import cli_flag, format_default, parse_value
-from rayvllm.engine_args import ENGINE_ARG_GROUPS, EngineArgs, engine_arguments
+from rayvllm.config.engine_args import ENGINE_ARG_GROUPS, EngineArgs, engine_arguments
+from rayvllm.config.fields import cli_flag, format_default, parse_value
+from rayvllm.config.kv_offload import kv_bytes_per_block
 from rayvllm.entrypoints import llm as llm_module
 from rayvllm.entrypoints.cli import build_parser, given_args
 from rayvllm.entrypoints.config_doc import REGENERATE, render
 from rayvllm.entrypoints.llm import LLM
 from rayvllm.entrypoints.openai.api_server import LLMServer
+from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, build_app, split_args
-from rayvllm.entrypoints.server_args import ServerArgs
-from rayvllm.errors import InvalidParameterError
-from rayvllm.kv_offload.config import kv_bytes_per_block
+from rayvllm.messages.errors import InvalidParameterError
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,7 @@ import yaml
 
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.parallel_state import ParallelContext
-from rayvllm.entrypoints.server_args import ServerArgs
+from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, direct_ingress_env, split_args
 from rayvllm.actors.placement import deployment_bundles
 from rayvllm.models.loader import MODEL_REGISTRY
@@ -211,8 +211,8 @@ def documented_command_args(line: str) -> dict[str, Any]:
         assert words[2] in ("serve_app:app", "serve_app:build_app"), line
         return dict(w.split("=", 1) for w in words[3:])
     assert words[:2] == ["rayvllm", "serve"], line
+    from rayvllm.config.engine_args import EngineArgs
     from rayvllm.entrypoints.cli import build_parser, given_args
-    from rayvllm.engine_args import EngineArgs
 
     ns = build_parser().parse_args(words[1:])
     return {**given_args(ns, EngineArgs), **given_args(ns, ServerArgs)}

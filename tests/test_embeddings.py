@@ -18,10 +18,10 @@ import torch
 
 from rayvllm import LLM, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, SamplingParams
 from rayvllm.actors.factory import async_llm_from_engine_args
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
-from rayvllm.errors import InvalidParameterError, PromptTooLongError
-from rayvllm.models.random_model import RandomModelSpec, build_random_model
+from rayvllm.messages.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import hf_embedding
 

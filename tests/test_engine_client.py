@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from rayvllm.actors.factory import async_llm_from_engine_args
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.engine_client import EngineClient
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.request import LoRARequest
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 ENGINE = dict(max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=64)
 MESSAGES = [{"role": "user", "content": "hello there"}]

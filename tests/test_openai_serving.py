@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from rayvllm.config import ModelConfig
-from rayvllm.demo import demo_model_path
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,13 +31,14 @@ from rayvllm.entrypoints.openai.protocol import (
 )
 from rayvllm.entrypoints.openai.serving import EventStream, OpenAIServing
 from rayvllm.entrypoints.openai.streams import SSE_DONE
-from rayvllm.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PromptTooLongError
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from rayvllm.processor import Processor, PromptType
-from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.tokenizer import get_tokenizer
+from rayvllm.frontend.processor import Processor, PromptType
+from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PromptTooLongError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.utils.demo import demo_model_path
+from rayvllm.utils.tokenizer import get_tokenizer
 
 from processor_engine import ProcessorEngine
 

@@ -24,9 +24,9 @@ from rayvllm.config import ModelConfig  # noqa: E402
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest, ResponsesResponse  # noqa: E402
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses  # noqa: E402
 from rayvllm.entrypoints.openai.streams import EventStream  # noqa: E402
-from rayvllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from rayvllm.processor import Processor  # noqa: E402
-from rayvllm.sampling_params import SamplingParams  # noqa: E402
+from rayvllm.frontend.processor import Processor  # noqa: E402
+from rayvllm.messages.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from rayvllm.messages.sampling_params import SamplingParams  # noqa: E402
 
 from processor_engine import ProcessorEngine  # noqa: E402
 from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, served  # noqa: E402

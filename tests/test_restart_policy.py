@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from rayvllm.engine.restart_policy import RestartPolicy
-from rayvllm.errors import EngineDeadError
-from rayvllm.output_processor import OutputProcessor
-from rayvllm.request import EngineCoreRequest
+from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.messages.errors import EngineDeadError
+from rayvllm.messages.request import EngineCoreRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

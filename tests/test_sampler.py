@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 import torch
 
-from rayvllm.engine_types import LogprobsTensors
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.engine_types import LogprobsTensors
+from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.model_executor.sampler import (
     Sampler,
     _Candidates,

@@ -24,7 +24,7 @@ import requests
 openai = pytest.importorskip("openai")
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
-from rayvllm.tokenizer import get_tokenizer  # noqa: E402
+from rayvllm.utils.tokenizer import get_tokenizer  # noqa: E402
 
 from serve_harness import DIRECT_URL as BASE_URL, REPO, ServeProcess, serve_run  # noqa: E402
 

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 
 from rayvllm import LLM  # noqa: E402
 from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 
 from hf_oracle import hf_greedy  # noqa: E402
 from test_spec_decode import ENGINE, GREEDY, NGRAM, repetitive_prompts  # noqa: E402

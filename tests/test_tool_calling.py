@@ -16,13 +16,13 @@ import pytest
 
 from rayvllm.actors.factory import async_llm_from_engine_args
 
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.chat_tools import ChatTools
 from rayvllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, parse_request
 from rayvllm.entrypoints.openai.serving import EventStream, OpenAIServing
 from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 WEATHER = {
     "type": "function",

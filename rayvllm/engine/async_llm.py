@@ -25,16 +25,16 @@ from typing import Any
 from rayvllm.config import EngineConfig
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
-from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.lora.request import LoRARequest
-from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
-from rayvllm.metrics import EngineMetrics
-from rayvllm.output_processor import OutputProcessor
-from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.processor import Processor, PromptType
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.tokenizer import get_tokenizer
+from rayvllm.frontend.metrics import EngineMetrics
+from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.frontend.processor import Processor, PromptType
+from rayvllm.messages.engine_types import EngineCoreOutput, SchedulerStats
+from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from rayvllm.config import EngineConfig
 from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.local_pipe import CoreConnection, local_pipe
-from rayvllm.engine_types import (
+from rayvllm.executor.base import ExecutorFactory
+from rayvllm.messages.engine_types import (
     AbortRequests,
     AddRequests,
     EngineCoreFailure,
@@ -40,9 +41,8 @@ from rayvllm.engine_types import (
     PrefixCacheStats,
     SchedulerStats,
 )
-from rayvllm.errors import EngineDeadError, StepFailedError
-from rayvllm.executor.base import ExecutorFactory
-from rayvllm.request import EngineCoreRequest
+from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.request import EngineCoreRequest
 
 
 class EngineCoreClient(ABC):

@@ -22,8 +22,8 @@ import traceback
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.local_pipe import CoreConnection
-from rayvllm.engine_types import EngineCoreFailure, EngineCoreOutputs
-from rayvllm.errors import StepFailedError
+from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreOutputs
+from rayvllm.messages.errors import StepFailedError
 
 logger = logging.getLogger(__name__)
 

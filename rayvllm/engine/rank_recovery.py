@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable
 
 from rayvllm.engine.restart_policy import RestartLimits
-from rayvllm.errors import EngineDeadError
 from rayvllm.executor.base import Executor
+from rayvllm.messages.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from rayvllm.errors import EngineDeadError, PlacementError, StepFailedError
-from rayvllm.output_processor import OutputProcessor
-from rayvllm.request import EngineCoreRequest
+from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.messages.errors import EngineDeadError, PlacementError, StepFailedError
+from rayvllm.messages.request import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

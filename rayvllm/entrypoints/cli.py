@@ -16,10 +16,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from rayvllm.config_fields import cli_flag, format_default, parse_value
-from rayvllm.engine_args import EngineArgs
-from rayvllm.entrypoints.server_args import ServerArgs
-from rayvllm.errors import InvalidParameterError, RayvllmError
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.config.fields import cli_flag, format_default, parse_value
+from rayvllm.entrypoints.openai.server_args import ServerArgs
+from rayvllm.messages.errors import InvalidParameterError, RayvllmError
 
 
 class _ArgType:
@@ -68,7 +68,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 def _generate(ns: argparse.Namespace) -> int:
     from rayvllm.entrypoints.llm import LLM
-    from rayvllm.sampling_params import SamplingParams
+    from rayvllm.messages.sampling_params import SamplingParams
 
     args = engine_args_from(ns)
     llm = LLM(**args.model_dump(exclude_unset=True))

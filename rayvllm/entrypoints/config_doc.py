@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rayvllm.config_fields import Argument, cli_flag, format_default, type_name, user_arguments
-from rayvllm.engine_args import ENGINE_ARG_GROUPS, NESTED_ARG_GROUPS
-from rayvllm.entrypoints.server_args import ServerArgs
+from rayvllm.config.engine_args import ENGINE_ARG_GROUPS, NESTED_ARG_GROUPS
+from rayvllm.config.fields import Argument, cli_flag, format_default, type_name, user_arguments
+from rayvllm.entrypoints.openai.server_args import ServerArgs
 
 REGENERATE = "python -m rayvllm.entrypoints.config_doc > docs/CONFIG.md"
 

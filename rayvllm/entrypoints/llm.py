@@ -9,12 +9,12 @@ from typing import Any, TypeVar, cast
 from tqdm import tqdm
 
 from rayvllm.actors.factory import llm_engine_from_engine_args
-from rayvllm.engine_args import EngineArgs
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
 _Params = TypeVar("_Params", SamplingParams, PoolingParams)

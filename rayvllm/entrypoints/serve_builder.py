@@ -25,9 +25,9 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
 from rayvllm.actors.placement import deployment_bundles
-from rayvllm.engine_args import EngineArgs
-from rayvllm.entrypoints.server_args import ServerArgs
-from rayvllm.errors import InvalidParameterError
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.server_args import ServerArgs
+from rayvllm.messages.errors import InvalidParameterError
 
 # `serve run <import path>` names its application "default"; the config file does too.
 DEFAULT_APP_NAME = "default"
@@ -159,8 +159,8 @@ def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    from rayvllm.demo import demo_model_path
     from rayvllm.entrypoints.openai.api_server import LLMServer
+    from rayvllm.utils.demo import demo_model_path
 
     engine, server = split_args(dict(args or {}))
     given = engine.model_dump(exclude_unset=True)

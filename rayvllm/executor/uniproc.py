@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.executor.base import Executor
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.model_runner import ModelRunner
 from rayvllm.worker.extensions import create_model_runner
 

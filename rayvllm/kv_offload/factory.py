@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 from rayvllm.config import EngineConfig
+from rayvllm.config.kv_offload import kv_bytes_per_block
 from rayvllm.core.block_pool import BlockPoolListener
+from rayvllm.core.kv_tier import KVTier
 from rayvllm.kv_offload.block_io import KVBlockIO
-from rayvllm.kv_offload.config import kv_bytes_per_block
 from rayvllm.kv_offload.host_tier import HostKVStore, HostKVTier
-from rayvllm.kv_offload.tier import KVBlockStore, KVTier
+from rayvllm.kv_offload.tier import KVBlockStore
 
 
 def group_bytes_per_block(config: EngineConfig) -> int:

@@ -4,7 +4,7 @@ and sets the token-to-slot mask in batch order."""
 
 from __future__ import annotations
 
-from rayvllm.lora.config import LoRAConfig
+from rayvllm.config.lora import LoRAConfig
 from rayvllm.lora.model_manager import LoRAModelManager
 from rayvllm.model_executor.extension import ModelRunnerExtension
 from rayvllm.model_executor.extension_context import BeginStepContext, ModelLoadContext, PrepareInputsContext

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.engine_types import SpecDecodeOutput
+from rayvllm.messages.engine_types import SpecDecodeOutput
+from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.input_batch import CachedRequestState
 from rayvllm.models.llama import LlamaForCausalLM
 

@@ -25,18 +25,19 @@ import numpy as np
 import torch
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.parallel_state import (
     ParallelContext,
     recv_from_prev_stage,
     send_to_next_stage,
 )
-from rayvllm.engine_types import LogprobsLists, ModelRunnerOutput
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
-from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
+from rayvllm.kernels.omp_runtime import release_thread_team
+from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.cuda_graph import CudaGraphRunner, capture_sizes
 from rayvllm.model_executor.extension import ModelRunnerExtension
 from rayvllm.model_executor.extension_context import (
@@ -54,7 +55,6 @@ from rayvllm.model_executor.sampler import Sampler
 from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
-from rayvllm.sampling_params import SamplingParams
 
 @dataclass
 class _StepPlan:

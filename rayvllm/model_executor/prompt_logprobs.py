@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rayvllm.engine_types import LogprobsLists, LogprobsTensors
+from rayvllm.messages.engine_types import LogprobsLists, LogprobsTensors
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:

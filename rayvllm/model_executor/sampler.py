@@ -32,7 +32,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from rayvllm.engine_types import LogprobsTensors
+from rayvllm.messages.engine_types import LogprobsTensors
 from rayvllm.model_executor.sampling_metadata import SamplingMetadata
 
 SamplingMethod = Literal["auto", "inverse_cdf", "exponential_race"]

@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 
 class SamplingState(Protocol):

@@ -24,13 +24,13 @@ import numpy as np
 import torch
 
 from rayvllm.config import SpeculativeConfig, read_hf_config
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.model_executor.extension_context import ForwardPositions, ModelLoadContext
 from rayvllm.model_executor.input_batch import CachedRequestState
 from rayvllm.model_executor.sampler import categorical_inverse_cdf
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import load_model
-from rayvllm.sampling_params import SamplingParams
 from rayvllm.spec_decode.rejection_sampler import step_generator, target_probs
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayvllm.engine_types import LogprobsLists
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.engine_types import LogprobsLists
+from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.model_executor.sampler import argmax_rows, categorical_inverse_cdf, top_k_top_p_candidates
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rayvllm.config import SpeculativeConfig
-from rayvllm.engine_types import SpecDecodeOutput
+from rayvllm.messages.engine_types import SpecDecodeOutput
 from rayvllm.model_executor.extension import ModelRunnerExtension
 from rayvllm.model_executor.extension_context import BeginStepContext, ModelLoadContext, SampleContext
 from rayvllm.model_executor.input_batch import CachedRequestState

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rayvllm.config import ModelConfig
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rayvllm.structured_output.grammar import GrammarCompiler
@@ -153,7 +153,7 @@ class StructuredOutputManager:
         decodes its vocabulary, which an engine without such requests never needs."""
         if self._compiler is None:
             from rayvllm.structured_output.grammar import GrammarCompiler
-            from rayvllm.tokenizer import get_tokenizer
+            from rayvllm.utils.tokenizer import get_tokenizer
 
             self._compiler = GrammarCompiler(get_tokenizer(self.model_config.tokenizer), self.vocab_size)
         return self._compiler

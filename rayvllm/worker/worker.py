@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.parallel_state import ParallelContext
-from rayvllm.engine_types import ModelRunnerOutput
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.model_runner import ModelRunner
 from rayvllm.worker.extensions import create_model_runner
 

@@ -19,7 +19,9 @@ import ray
 from ray import serve
 
 from rayvllm.actors.factory import async_llm_from_engine_args
-from rayvllm.engine_args import EngineArgs
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,19 +29,17 @@ from rayvllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     parse_tokenize_request,
 )
-from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
-from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from rayvllm.entrypoints.openai.server_args import PENDING_PER_SEQ, ServerArgs, default_max_pending_prompt_tokens
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from rayvllm.entrypoints.server_args import PENDING_PER_SEQ, ServerArgs, default_max_pending_prompt_tokens
-from rayvllm.errors import ModelNotFoundError
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import RequestOutput, RequestOutputKind
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.errors import ModelNotFoundError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
 

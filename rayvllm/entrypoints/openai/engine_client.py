@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rayvllm.entrypoints.openai.streams import OutputStream
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.processor import PromptType
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.frontend.processor import PromptType
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

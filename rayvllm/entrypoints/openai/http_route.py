@@ -17,7 +17,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from rayvllm.entrypoints.openai.protocol import error_body, parse_request
-from rayvllm.errors import AuthenticationError, EngineOverloadedError, InvalidParameterError, RequestTooLargeError
+from rayvllm.messages.errors import (
+    AuthenticationError,
+    EngineOverloadedError,
+    InvalidParameterError,
+    RequestTooLargeError,
+)
 
 __all__ = ["RETRY_AFTER_S", "RouteOwner", "openai_route"]
 

@@ -51,14 +51,14 @@ from rayvllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
+from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels
 from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, OutputStream, sse, sse_error
 from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
-from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels
-from rayvllm.errors import InvalidParameterError
-from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from rayvllm.processor import PromptType, TokensPrompt
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
+from rayvllm.frontend.processor import PromptType, TokensPrompt
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput
+from rayvllm.messages.sampling_params import SamplingParams
 
 __all__ = ["EventStream", "OpenAIServing"]
 

@@ -13,8 +13,8 @@ from rayvllm.entrypoints.openai.embedding_protocol import (
     encode_embedding,
 )
 from rayvllm.entrypoints.openai.serving import OpenAIServing, _completion_prompts, _named_for, _response_id
-from rayvllm.errors import RequestFailedError
-from rayvllm.outputs import PoolingRequestOutput
+from rayvllm.messages.errors import RequestFailedError
+from rayvllm.messages.outputs import PoolingRequestOutput
 
 __all__ = ["OpenAIServingEmbedding"]
 

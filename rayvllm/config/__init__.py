@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from rayvllm.config_fields import ArgSpec, config_field
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.config import LoRAConfig
-from rayvllm.kv_offload.config import KVOffloadConfig
+from rayvllm.config.fields import ArgSpec, config_field
+from rayvllm.config.kv_offload import KVOffloadConfig
+from rayvllm.config.lora import LoRAConfig
+from rayvllm.messages.errors import InvalidParameterError
 
 _DTYPES = {
     "float32": torch.float32,

@@ -21,7 +21,7 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 _ARGS = "rayvllm.args"
 

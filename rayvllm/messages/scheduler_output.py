@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayvllm.lora.request import LoRARequest
-from rayvllm.kv_offload.tier import KVTransfers
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.kv_transfers import KVTransfers
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 
 @dataclass

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rayvllm.core.block_pool import BlockPool, KVCacheBlock
-from rayvllm.core.kv_cache_utils import BlockHash
-from rayvllm.engine_types import KVOffloadStats
-from rayvllm.kv_offload.tier import KVTier, KVTransfers
+from rayvllm.core.kv_tier import KVTier
+from rayvllm.messages.block_hash import BlockHash
+from rayvllm.messages.engine_types import KVOffloadStats
+from rayvllm.messages.kv_transfers import KVTransfers
 
 
 @dataclass

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 StructuredOutputKind = Literal["json", "regex", "choice", "grammar", "json_object"]
 # The request fields a client may name: one of them, exactly.

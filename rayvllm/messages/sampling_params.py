@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from rayvllm.errors import InvalidParameterError
-from rayvllm.structured_output.params import StructuredOutputsParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]
 

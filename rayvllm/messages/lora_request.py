@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from rayvllm.config import (
     is_pooling_only,
     read_hf_config,
 )
-from rayvllm.config_fields import Argument, parse_value, user_arguments
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.config import LoRAConfig
-from rayvllm.kv_offload.config import GIB, KVOffloadConfig, kv_layout_fingerprint
+from rayvllm.config.fields import Argument, parse_value, user_arguments
+from rayvllm.config.kv_offload import GIB, KVOffloadConfig, kv_layout_fingerprint
+from rayvllm.config.lora import LoRAConfig
+from rayvllm.messages.errors import InvalidParameterError
 
 
 # The config groups whose fields' arguments `EngineArgs` takes, by the
@@ -195,7 +195,7 @@ class EngineArgs(
         device = self.resolve_device()
         model = self.model
         if model is None:
-            from rayvllm.demo import demo_model_path
+            from rayvllm.utils.demo import demo_model_path
 
             model = str(demo_model_path())
         hf_config = read_hf_config(model)

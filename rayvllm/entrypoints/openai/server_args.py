@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rayvllm.engine_args import validate_args
+from rayvllm.config.engine_args import validate_args
 from rayvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 # Unfinished requests a server admits per sequence slot of its engine

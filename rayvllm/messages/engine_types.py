@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from rayvllm.request import EngineCoreRequest, FinishReason
+from rayvllm.messages.request import EngineCoreRequest, FinishReason
 
 
 @dataclass
@@ -198,7 +198,7 @@ class SpecDecodingStats:
 
 @dataclass
 class KVOffloadStats:
-    """Second-KV-tier counters of one interval (kv_offload/manager.py).
+    """Second-KV-tier counters of one interval (core/kv_offload_manager.py).
 
     `queries`: tokens looked up in the tier past the pool's own hits;
     `hits`: tokens copied in from it (then counted again as prefix-cache

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayvllm.config_fields import config_field
-from rayvllm.errors import InvalidParameterError
+from rayvllm.config.fields import config_field
+from rayvllm.messages.errors import InvalidParameterError
 
 # "native": host memory of each worker (vLLM's CPU offloading); "ray": the
 # Ray object store, shared by every DP rank and replica of the same model.

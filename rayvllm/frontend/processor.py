@@ -15,14 +15,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NotRequired, Required, TypeAlias, TypedDict, cast
 
 from rayvllm.config import ModelConfig
-from rayvllm.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.config.lora import LoRAConfig
 from rayvllm.lora.checker import LoRAChecker
-from rayvllm.lora.config import LoRAConfig
-from rayvllm.lora.request import LoRARequest
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SEED_MIN, SamplingParams
-from rayvllm.tokenizer import get_eos_token_ids
+from rayvllm.messages.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SEED_MIN, SamplingParams
+from rayvllm.utils.tokenizer import get_eos_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayvllm.config_fields import config_field
-from rayvllm.errors import InvalidParameterError
+from rayvllm.config.fields import config_field
+from rayvllm.messages.errors import InvalidParameterError
 
 # The Llama family's projections an adapter may target (HF module names).
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rayvllm.models.random_model import RandomModelSpec, build_random_model
-from rayvllm.paths import cache_dir
+from rayvllm.utils.paths import cache_dir
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 DEMO_SPEC = RandomModelSpec(
     arch="llama",

@@ -38,8 +38,8 @@ from prometheus_client import (
 if TYPE_CHECKING:
     # Types only: the engine imports this module, and the scheduler module
     # imports engine code, so a runtime import could close a cycle.
-    from rayvllm.engine_types import SchedulerStats, SpecDecodingStats
-    from rayvllm.outputs import PoolingRequestOutput, RequestOutput
+    from rayvllm.messages.engine_types import SchedulerStats, SpecDecodingStats
+    from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput
 
 __all__ = [
     "FINISH_REASONS",

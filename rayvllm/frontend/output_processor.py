@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rayvllm.detokenizer import RequestDetokenizer
-from rayvllm.engine_types import EngineCoreOutput, LogprobsLists
-from rayvllm.errors import InvalidParameterError
-from rayvllm.outputs import (
+from rayvllm.frontend.detokenizer import RequestDetokenizer
+from rayvllm.messages.engine_types import EngineCoreOutput, LogprobsLists
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.outputs import (
     CompletionOutput,
     Logprob,
     PoolingOutput,
@@ -35,7 +35,7 @@ from rayvllm.outputs import (
     RequestOutputKind,
     SampleLogprobs,
 )
-from rayvllm.request import EngineCoreRequest, FinishReason
+from rayvllm.messages.request import EngineCoreRequest, FinishReason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
