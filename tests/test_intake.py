@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
@@ -23,8 +24,11 @@ from rayvllm.messages.engine_types import (
     AbortRequests,
     AddRequests,
     EngineCoreFailure,
+    EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
+    PrefixCacheStats,
+    SchedulerStats,
 )
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.sampling_params import SamplingParams
@@ -279,3 +283,47 @@ def test_a_failing_step_is_the_loops_last_push() -> None:
     assert not thread.is_alive()
     with pytest.raises(EOFError):
         conn.recv()
+
+
+# ---- the client: a request id used again -------------------------------------------
+
+
+class _ScriptedLoop(EngineCoreClient):
+    """A client whose loop is the test: it reads the inputs and writes the pushes."""
+
+    def __init__(self) -> None:
+        self.loop_end: LocalConnection | None = None
+        super().__init__(make_core(async_scheduling=False)[1].config)
+        self._start()
+
+    def _launch(self) -> LocalConnection:
+        client_end, self.loop_end = local_pipe()
+        self.loop_end.send(_push([], applied=0))
+        return client_end
+
+    def _release(self, timeout_s: float) -> None:
+        pass
+
+    def check_health(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def _push(outputs: list[EngineCoreOutput], applied: int) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs, SchedulerStats(0, 0, 0.0, PrefixCacheStats(), 0), applied)
+
+
+def test_outputs_of_an_earlier_request_of_the_same_id_are_dropped() -> None:
+    """A request id used again at once (the first request finished here by
+    a stop string while the loop ran on): outputs pushed before the new
+    add was applied are the old request's and never reach the new one."""
+    client = _ScriptedLoop()
+    assert client.loop_end is not None
+    client.add_requests([request("a")])
+    client.loop_end.send(_push([EngineCoreOutput("a", [1])], applied=0))  # the old "a"
+    client.loop_end.send(_push([EngineCoreOutput("a", [2]), EngineCoreOutput("b", [3])], applied=1))
+    assert [(o.request_id, o.new_token_ids) for o in client.step()] == [("a", [2]), ("b", [3])]
+    client.loop_end.send(_push([EngineCoreOutput("a", [4])], applied=1))
+    assert [o.new_token_ids for o in client.step()] == [[4]]

@@ -92,6 +92,10 @@ class EngineCoreClient(ABC):
         conn = self._launch()
         self.conn = conn
         self._sent = 0  # inputs sent so far
+        # Request id -> the number of its add among the inputs sent, until a
+        # push reports it applied: outputs for that id in an earlier push are
+        # the previous request of the same id, finished here already.
+        self._added_at: dict[str, int] = {}
         self._applied = 0  # of those, how many the loop has applied (as of its latest push)
         self._prefix_stats = PrefixCacheStats()  # pushed since the last `make_stats`
         self._offload_stats: KVOffloadStats | None = None  # likewise
@@ -169,7 +173,11 @@ class EngineCoreClient(ABC):
             conn.send(message)
         except OSError as e:
             raise EngineDeadError(f"the engine core is gone: {e!r}") from e
-        self._sent += len(message) if isinstance(message, list) else 1
+        for item in message if isinstance(message, list) else [message]:
+            self._sent += 1
+            if isinstance(item, AddRequests):
+                for request in item.requests:
+                    self._added_at[request.request_id] = self._sent
 
     def has_pending_intake(self) -> bool:
         """Inputs were made that the loop has not reported applied."""
@@ -206,14 +214,19 @@ class EngineCoreClient(ABC):
                 raise StepFailedError(f"the engine loop failed: {message.error}", message.culprits)
             raise EngineDeadError(f"the engine loop failed: {message.error}")
         assert isinstance(message, EngineCoreOutputs)
-        self._applied = message.inputs_applied
+        self._applied = applied = message.inputs_applied
+        outputs = message.outputs
+        if self._added_at:
+            with self._send_lock:
+                outputs = [o for o in outputs if self._added_at.get(o.request_id, 0) <= applied]
+                self._added_at = {rid: n for rid, n in self._added_at.items() if n > applied}
         self._stats = message.scheduler_stats
         self._prefix_stats.add(message.scheduler_stats.prefix_cache_stats)
         offload = message.scheduler_stats.kv_offload_stats
         if offload is not None:
             self._offload_stats = self._offload_stats or KVOffloadStats()
             self._offload_stats.add(offload)
-        return message.outputs
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
         """The gauges as of the latest push, with the prefix-cache counts of
