@@ -104,6 +104,7 @@ def _uses(item: pytest.Item, fixture: str) -> bool:
 _SHARED = {"ray_local": _SHARED_RAY, "serve_apps": _SHARED_SERVE}
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that use the shared cluster run first, then those that
     use the shared server, each group one module after another, so each

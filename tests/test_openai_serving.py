@@ -93,6 +93,10 @@ class FakeEngine:
         self.step_delay = 0.0
         # When set, no output is produced until it is (a first token still being computed).
         self.gate: asyncio.Event | None = None
+        # When set, a stream's outputs after its first wait until it is (a request mid-run).
+        self.hold: asyncio.Event | None = None
+        # Released by each stream's first output: what a test waits on instead of a clock.
+        self.first_outputs = asyncio.Semaphore(0)
 
     def add_request(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True,
@@ -111,8 +115,12 @@ class FakeEngine:
         for number, output in enumerate(self._script(request, prompt_text)):
             if self.fail_after_steps is not None and number == self.fail_after_steps:
                 raise EngineDeadError("the engine died")
+            if number > 0 and self.hold is not None:
+                await self.hold.wait()
             await asyncio.sleep(self.step_delay)
             yield output
+            if number == 0:
+                self.first_outputs.release()
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
@@ -618,12 +626,12 @@ def test_a_stream_never_iterated_still_aborts_on_close(serving: OpenAIServing, e
 
 
 def test_cancelling_a_whole_response_aborts(serving: OpenAIServing, engine: FakeEngine) -> None:
-    engine.step_delay = 0.05
-
     async def run() -> None:
+        engine.hold = asyncio.Event()  # never set: both prompts stay mid-run
         req = completion_req(prompt=["hello", "the cat"], max_tokens=3)
         task = asyncio.create_task(serving.create_completion(req, "r"))
-        await asyncio.sleep(0.07)
+        for _ in range(2):
+            await engine.first_outputs.acquire()  # each prompt has streamed its first token
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
