@@ -92,18 +92,23 @@ class ServeProcess:
                 found.append(pid)
         return found
 
-    def gcs_address(self) -> str:
-        """The address of the Ray cluster this server started (read from its
-        processes' command lines): what a script joins it by, where
-        `address="auto"` could find another cluster on the machine."""
+    def join_env(self) -> dict[str, str]:
+        """What a script needs in its environment to join the Ray cluster this
+        server started (`address="auto"` could find another cluster on the
+        machine): RAY_ADDRESS, read from the cluster's processes, and their
+        RAY_AUTH_MODE where set (a cluster `ray.init` starts turns token
+        authentication on, and joining by address does not follow it)."""
         for pid in self.descendant_pids("--gcs-address="):
+            proc = Path("/proc") / str(pid)
             try:
-                args = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                env = dict(v.split("=", 1) for v in (proc / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in v)
             except OSError:
-                continue
-            for arg in args:
-                if arg.startswith("--gcs-address="):
-                    return arg.split("=", 1)[1]
+                continue  # ended while we looked
+            address = next((a.split("=", 1)[1] for a in args if a.startswith("--gcs-address=")), None)
+            if address is not None:
+                auth = {"RAY_AUTH_MODE": env["RAY_AUTH_MODE"]} if "RAY_AUTH_MODE" in env else {}
+                return {"RAY_ADDRESS": address, **auth}
         raise RuntimeError(f"no process of the server names its cluster:\n{self.log_tail()}")
 
     def group_pids(self) -> list[int]:

@@ -21,7 +21,7 @@ def _config_apps(argv: list[str], cwd: object) -> int:
     """Applications a `serve run <config file>` deploys (1 for an import path)."""
     import yaml
 
-    path = next((a for a in argv[argv.index("run") + 1 :] if not a.startswith("-")), "")
+    path = next((a for a in argv[2:] if not a.startswith("-")), "")
     if not path.endswith((".yaml", ".yml")):
         return 1
     return len(yaml.safe_load((Path(str(cwd or ".")) / path).read_text()).get("applications", []))
@@ -32,14 +32,16 @@ def _count_subprocess(argv: object, cwd: object) -> None:
         return
     args = [str(a) for a in argv]
     name = Path(args[0]).name
-    if name == "serve" and "run" in args:
+    if name == "serve" and args[1:2] == ["run"]:
         _COUNTS["ray clusters (server subprocesses)"] += 1
         _COUNTS["serve apps (server subprocesses)"] += _config_apps(args, cwd)
     elif name == "rayvllm" and "serve" in args:
         _COUNTS["ray clusters (server subprocesses)"] += 1
         _COUNTS["serve apps (server subprocesses)"] += 1
-    elif name == "ray" and "up" in args:
+    elif name == "ray" and args[1:2] == ["up"]:
+        # The cluster file's head commands `serve deploy` one app.
         _COUNTS["ray clusters (server subprocesses)"] += 1
+        _COUNTS["serve apps (server subprocesses)"] += 1
 
 
 def pytest_configure(config: pytest.Config) -> None:

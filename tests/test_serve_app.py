@@ -282,7 +282,7 @@ import asyncio, ray
 from ray import serve
 from rayvllm import SamplingParams
 from rayvllm.entrypoints.serve_builder import LLMHandle
-ray.init(address="{address}", log_to_driver=False)
+ray.init(log_to_driver=False)  # RAY_ADDRESS: the server's cluster
 params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 handle = serve.get_app_handle("default")
 a = handle.generate.remote("{prompt}", params).result()
@@ -298,8 +298,8 @@ print(repr((a.outputs[0].text, a.finished, b.outputs[0].text, b.finished,
 def test_python_handles(server: ServeProcess, offline: LLM) -> None:
     ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0]
     out = subprocess.run(
-        [sys.executable, "-c", HANDLE_SCRIPT.format(prompt=PROMPT, address=server.gcs_address())],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        [sys.executable, "-c", HANDLE_SCRIPT.format(prompt=PROMPT)],
+        cwd=REPO, env=os.environ | server.join_env(), capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     a_text, a_done, b_text, b_done, streamed, s_done, n = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307
