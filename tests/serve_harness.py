@@ -37,7 +37,10 @@ class ServeProcess:
             # A replica binds its port without SO_REUSEADDR: a previous
             # server's lingering connections would fail this one's start.
             assert wait_for_port(port), f"port {port} is taken by a live server"
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
+        # A local cluster of its own: without RAY_ADDRESS, `ray.init` joins
+        # the cluster named in /tmp/ray/ray_current_cluster, which any
+        # `ray start` or `ray.cluster_utils.Cluster` on the machine writes.
+        env = os.environ | {"RAY_ADDRESS": "local"} | (env or {})
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
