@@ -2,7 +2,7 @@
 pools, prefix caches and the worker groups they drive) and the loop that
 owns it (engine/core_loop.py).
 
-It asks Ray for no CPU (DESIGN principle 8): it computes nothing heavy and
+It asks Ray for no CPU (docs/ARCHITECTURE.md, principle 8): it computes nothing heavy and
 must fit beside the workers on a small machine. The exception: at world
 size 1 with one DP rank it runs that worker's model itself (placement.py's
 `scheduler_hosts_worker`), with the worker's resources and bundle.

@@ -7,9 +7,9 @@ from typing import Any
 import ray
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.rpc_channel import ChannelServer
-from rayvllm.engine_types import ModelRunnerOutput
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.worker.worker import Worker, free_port
 
 

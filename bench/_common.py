@@ -129,7 +129,7 @@ def build_model(out: str | Path | None, preset: str = "llama25m", device: str = 
     ensure_repo_on_path()
     import torch
 
-    from rayvllm.models.random_model import RandomModelSpec, build_random_model
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
     path = Path(out) if out is not None else default_model_dir(preset)
     with torch.device(device):

@@ -62,9 +62,9 @@ def _victim_pid(scenario: str) -> int:
 
 async def _run(scenario: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     from rayvllm import SamplingParams
+    from rayvllm.config.engine_args import EngineArgs
     from rayvllm.engine.async_llm import AsyncLLM
-    from rayvllm.engine_args import EngineArgs
-    from rayvllm.errors import RequestFailedError
+    from rayvllm.messages.errors import RequestFailedError
 
     parallel: dict[str, Any] = {"distributed_executor_backend": "ray"}
     if scenario.startswith("tp2"):

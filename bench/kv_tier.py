@@ -71,8 +71,8 @@ def _engine_kwargs(args: argparse.Namespace, model: str, tier: str, dp: int) -> 
 def _kill_directory(kwargs: dict[str, Any]) -> None:
     import ray
 
-    from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, directory_name
-    from rayvllm.engine_args import EngineArgs
+    from rayvllm.config.engine_args import EngineArgs
+    from rayvllm.kv_offload.ray_tier import KV_TIER_NAMESPACE, directory_name
 
     oc = EngineArgs(**kwargs).create_engine_config().kv_offload_config
     if oc is None or oc.backend != "ray":

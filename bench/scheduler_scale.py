@@ -37,12 +37,12 @@ ensure_repo_on_path()
 import torch  # noqa: E402
 
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
-from rayvllm.core.sched.output import SchedulerOutput  # noqa: E402
 from rayvllm.engine.engine_core import EngineCore  # noqa: E402
-from rayvllm.engine_types import ModelRunnerOutput  # noqa: E402
 from rayvllm.executor.base import Executor  # noqa: E402
-from rayvllm.request import EngineCoreRequest  # noqa: E402
-from rayvllm.sampling_params import SamplingParams  # noqa: E402
+from rayvllm.messages.engine_types import ModelRunnerOutput  # noqa: E402
+from rayvllm.messages.request import EngineCoreRequest  # noqa: E402
+from rayvllm.messages.sampling_params import SamplingParams  # noqa: E402
+from rayvllm.messages.scheduler_output import SchedulerOutput  # noqa: E402
 
 MODEL_STEPS_MS = (20.0, 50.0)
 

@@ -99,7 +99,7 @@ def make_prompts(model: str, workload: str, n: int, seed: int) -> list[list[int]
         vocab = model_vocab_size(model)
         return [random_ids(rng, rng.randint(96, 256), vocab) for _ in range(n)]
     ensure_repo_on_path()
-    from rayvllm.tokenizer import get_tokenizer
+    from rayvllm.utils.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer(model)
     return [tokenizer.encode(echo_prompt(rng), add_special_tokens=False)[: MAX_MODEL_LEN // 2] for _ in range(n)]

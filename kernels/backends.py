@@ -25,10 +25,10 @@ from typing import ClassVar
 import torch
 
 from rayvllm.config import ATTENTION_BACKEND_ENV, ATTENTION_BACKENDS
-from rayvllm.errors import InvalidParameterError
 from rayvllm.kernels import reference
 from rayvllm.kernels.kv_layout import KVCacheLayout, Shape, kv_cache_shapes
 from rayvllm.kernels.metadata import AttentionMetadata, VarlenMetadata
+from rayvllm.messages.errors import InvalidParameterError
 
 def _importable(module: str) -> bool:
     """Whether `module` imports (not merely exists: a flash-attn wheel built

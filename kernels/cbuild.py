@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from rayvllm.kernels.cpu_isa import ISA_FLAGS, cpu_info, selected_isa
-from rayvllm.paths import cache_dir
+from rayvllm.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

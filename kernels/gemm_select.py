@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from rayvllm.kernels import cpu_gemm
 from rayvllm.kernels.cpu_isa import cpu_info
 from rayvllm.kernels.host_memory import empty_huge
-from rayvllm.paths import cache_dir
+from rayvllm.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """rayvllm: a vLLM-class LLM inference and serving engine, native to Ray."""
 
-from rayvllm.lora.request import LoRARequest
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams, StructuredOutputsParams
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "SamplingParams", "StructuredOutputsParams", "PoolingParams", "LLM", "RequestOutput", "CompletionOutput",
@@ -18,11 +18,11 @@ def __getattr__(name: str):
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "PoolingRequestOutput"):
-        from rayvllm import outputs
+        from rayvllm.messages import outputs
 
         return getattr(outputs, name)
     if name == "EngineArgs":
-        from rayvllm.engine_args import EngineArgs
+        from rayvllm.config.engine_args import EngineArgs
 
         return EngineArgs
     raise AttributeError(name)

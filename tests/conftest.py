@@ -195,7 +195,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama with the default `RandomModelSpec` (vocab 4096, ids 0..4
     are <unk>, <s>, </s>, <|im_start|>, <|im_end|>; chat template included),
     built once per test session. Treat it as read-only."""
-    from rayvllm.models.random_model import RandomModelSpec, build_random_model
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("tiny_model"), RandomModelSpec())
 
@@ -204,7 +204,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tokenizer(tiny_model_dir: Path) -> "PreTrainedTokenizerBase":
     """The fast tokenizer of `tiny_model_dir`, loaded once. Do not mutate it
     (use monkeypatch for temporary attribute changes)."""
-    from rayvllm.tokenizer import get_tokenizer
+    from rayvllm.utils.tokenizer import get_tokenizer
 
     return get_tokenizer(tiny_model_dir)
 
@@ -243,8 +243,8 @@ def draft_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(target, draft) for speculative decoding: a 2-layer random Llama
     (its second layer damped) and the 1-layer draft cut from it, sharing
     the tokenizer. Treat both as read-only."""
-    from rayvllm.models.random_model import RandomModelSpec, build_random_model
     from rayvllm.models.truncated_draft import build_truncated_draft
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
     root = tmp_path_factory.mktemp("spec_models")
     base = build_random_model(root / "base", RandomModelSpec(num_hidden_layers=2, seed=31))

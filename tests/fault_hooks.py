@@ -11,7 +11,7 @@ POISON_SEED = 666
 
 
 def poison_seed() -> None:
-    from rayvllm.worker import model_runner
+    from rayvllm.model_executor import model_runner
 
     original = model_runner.ModelRunner._update_states
 
@@ -35,7 +35,7 @@ def hang_once() -> None:
     import os
     import threading
 
-    from rayvllm.worker import model_runner
+    from rayvllm.model_executor import model_runner
 
     original = model_runner.ModelRunner._update_states
 

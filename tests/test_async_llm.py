@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 import pytest
 
 from rayvllm import LLM, SamplingParams
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
-from rayvllm.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
-from rayvllm.outputs import RequestOutput, RequestOutputKind
+from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
+from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
 
 ENGINE = dict(max_num_seqs=8, max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=64)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 7, 12)]

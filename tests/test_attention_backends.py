@@ -14,12 +14,12 @@ import torch
 
 from rayvllm import LLM, SamplingParams
 from rayvllm.config import ATTENTION_BACKEND_ENV
-from rayvllm.engine_args import EngineArgs
-from rayvllm.errors import InvalidParameterError
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.kernels import backends
 from rayvllm.kernels.backends import FlashAttnBackend, TorchBackend, TritonBackend, select_attention_backend
 from rayvllm.kernels.kv_layout import KVCacheLayout
 from rayvllm.kernels.metadata import AttentionMetadata, VarlenMetadata
+from rayvllm.messages.errors import InvalidParameterError
 
 from hf_oracle import hf_greedy
 

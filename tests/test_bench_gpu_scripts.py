@@ -49,7 +49,7 @@ def test_qwen3_preset_shape_and_bf16_checkpoint(tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from rayvllm.models.random_model import RandomModelSpec, _hf_config, build_random_model
+    from rayvllm.utils.random_model import RandomModelSpec, _hf_config, build_random_model
 
     preset = _load_common().PRESETS["qwen3-0.6b"]
     config = _hf_config(RandomModelSpec(**preset))

@@ -16,13 +16,13 @@ from rayvllm.core.block_pool import (
     InsufficientBlocksError,
     KVCacheBlock,
 )
-from rayvllm.core.kv_cache_utils import (
+from rayvllm.messages.block_hash import (
     ROOT_BLOCK_HASH,
     hash_block_tokens,
     hash_request_tokens,
     request_extra_keys,
 )
-from rayvllm.engine_types import PrefixCacheStats
+from rayvllm.messages.engine_types import PrefixCacheStats
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:
@@ -240,7 +240,7 @@ def test_hash_extra_keys_and_salt() -> None:
 
 def test_hash_reproducible_across_processes() -> None:
     code = (
-        "from rayvllm.core.kv_cache_utils import hash_request_tokens, request_extra_keys;"
+        "from rayvllm.messages.block_hash import hash_request_tokens, request_extra_keys;"
         "print(hash_request_tokens(2, [5, 6, 7, 8], request_extra_keys('x'))[-1].hex())"
     )
     # Different PYTHONHASHSEEDs would change any hash built on Python's hash().

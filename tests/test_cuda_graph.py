@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rayvllm import LLM, SamplingParams
-from rayvllm.worker import model_runner
-from rayvllm.worker.cuda_graph import CudaGraphRunner, DecodeInputs, capture_sizes, fill_padded, padded_size
+from rayvllm.model_executor import model_runner
+from rayvllm.model_executor.cuda_graph import CudaGraphRunner, DecodeInputs, capture_sizes, fill_padded, padded_size
 
 
 def test_capture_sizes() -> None:

@@ -1,6 +1,6 @@
 """`ray up` of infra/cluster-local.yaml, end to end, on this machine.
 
-The README's cluster commands, run for real: `ray up -y` over SSH to
+The cluster commands of docs/DEPLOY.md, run for real: `ray up -y` over SSH to
 127.0.0.1 (head only: a worker entry needs an address of its own, and a
 second node on one host would have its `ray stop` end the head), the head's
 own `serve deploy serve_config.yaml` with the demo model, a completion

@@ -1,7 +1,7 @@
 """Every shipped way to deploy describes an engine that starts where it is
 sent: serve_config.yaml (on infra/cluster-local.yaml's head and on
-cluster.yaml's GPU workers), the KubeRay RayService, and the README's serve
-commands.
+cluster.yaml's GPU workers), the KubeRay RayService, and the serve commands of
+docs/SERVING.md.
 
 For each, the test builds the engine config from its own args (the model
 directory standing in by a config.json of the same shape; nothing is
@@ -30,17 +30,17 @@ import yaml
 
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.parallel_state import ParallelContext
-from rayvllm.entrypoints.server_args import ServerArgs
+from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, direct_ingress_env, split_args
 from rayvllm.executor.placement import deployment_bundles
 from rayvllm.models.loader import MODEL_REGISTRY
-from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.model_executor.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = ROOT / "serve_config.yaml"
 RAYSERVICE = ROOT / "infra" / "kuberay" / "rayservice.yaml"
 LAUNCHER_CONFIGS = [ROOT / "cluster.yaml", ROOT / "infra" / "cluster-local.yaml"]
-README = ROOT / "README.md"
+SERVING_DOC = ROOT / "docs" / "SERVING.md"
 
 Node = dict[str, float]
 # The machine CI runs on (2 cores), which is also the head that
@@ -57,8 +57,8 @@ LLAMA_32_1B: dict[str, Any] = dict(
     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192},
 )
-# What the README says a tensor_parallel_size=2 command needs, and the nodes that says.
-README_TP2_NEEDS = "three CPU cores, or two GPUs"
+# What docs/SERVING.md says a tensor_parallel_size=2 command needs, and the nodes that says.
+DOC_TP2_NEEDS = "three CPU cores, or two GPUs"
 TP2_NODES = ({"CPU": 3.0}, {"CPU": 1.0, "GPU": 2.0})
 
 
@@ -194,16 +194,16 @@ def test_rayservice_without_max_model_len_would_not_start(tmp_path: Path) -> Non
         check_starts({"model": str(model)}, [{"CPU": 8.0}])
 
 
-def readme_serve_commands() -> Iterator[str]:
-    """The command lines of the README's "Serving" block."""
-    text = README.read_text()
-    section = text[text.index("## Serving"):]
+def documented_serve_commands() -> Iterator[str]:
+    """The command lines of docs/SERVING.md's "Start a server" block."""
+    text = SERVING_DOC.read_text()
+    section = text[text.index("## Start a server"):]
     block = section[section.index("```bash") + len("```bash"):section.index("```", section.index("```bash") + 7)]
     for line in block.strip().splitlines():
         yield line.split("#", 1)[0].strip()
 
 
-def readme_command_args(line: str) -> dict[str, Any]:
+def documented_command_args(line: str) -> dict[str, Any]:
     words = shlex.split(line)
     if words[:2] == ["serve", "run"] and words[2] == "serve_config.yaml":
         return dict(serve_config_app()["args"])
@@ -211,21 +211,21 @@ def readme_command_args(line: str) -> dict[str, Any]:
         assert words[2] in ("serve_app:app", "serve_app:build_app"), line
         return dict(w.split("=", 1) for w in words[3:])
     assert words[:2] == ["rayvllm", "serve"], line
+    from rayvllm.config.engine_args import EngineArgs
     from rayvllm.entrypoints.cli import build_parser, given_args
-    from rayvllm.engine_args import EngineArgs
 
     ns = build_parser().parse_args(words[1:])
     return {**given_args(ns, EngineArgs), **given_args(ns, ServerArgs)}
 
 
-def test_readme_serve_commands_start(tiny_model_dir: Path) -> None:
+def test_documented_serve_commands_start(tiny_model_dir: Path) -> None:
     """The demo commands fit the CI machine; a tensor_parallel_size=2 one
-    needs what the README says, and does not fit two cores."""
-    assert README_TP2_NEEDS in README.read_text()
-    lines = list(readme_serve_commands())
+    needs what docs/SERVING.md says, and does not fit two cores."""
+    assert DOC_TP2_NEEDS in SERVING_DOC.read_text()
+    lines = list(documented_serve_commands())
     assert len(lines) >= 4
     for line in lines:
-        args = readme_command_args(line)
+        args = documented_command_args(line)
         if args.get("model") == "/path/to/model":
             args["model"] = str(tiny_model_dir)
         if int(args.get("tensor_parallel_size", 1)) == 2:

@@ -15,8 +15,8 @@ ray = pytest.importorskip("ray")
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
-from rayvllm.outputs import RequestOutputKind  # noqa: E402
-from rayvllm.models.random_model import RandomModelSpec, build_random_model  # noqa: E402
+from rayvllm.messages.outputs import RequestOutputKind  # noqa: E402
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model  # noqa: E402
 
 from hf_oracle import NUM_NEW, hf_greedy  # noqa: E402
 

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.kv_cache_utils import hash_request_tokens
-from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine import engine_core
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine_args import EngineArgs
-from rayvllm.engine_types import ModelRunnerOutput
-from rayvllm.errors import EngineDeadError
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.uniproc import UniProcExecutor
-from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.block_hash import hash_request_tokens
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.errors import EngineDeadError
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 BLOCK = 16
 

@@ -9,9 +9,9 @@ import pytest
 from rayvllm.core.block_pool import BlockPool, KVCacheBlock
 from rayvllm.core.dp_router import DPRouter, RankLoad
 from rayvllm.core.kv_cache_manager import KVCacheManager
-from rayvllm.core.kv_cache_utils import BlockHash, hash_request_tokens, request_extra_keys
 from rayvllm.core.prefix_index import PrefixIndex
-from rayvllm.request import Request
+from rayvllm.core.request import Request
+from rayvllm.messages.block_hash import BlockHash, hash_request_tokens, request_extra_keys
 
 from test_kv_cache_manager import make_request
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from rayvllm import LLM, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, SamplingParams
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
-from rayvllm.errors import InvalidParameterError, PromptTooLongError
-from rayvllm.models.random_model import RandomModelSpec, build_random_model
+from rayvllm.messages.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import hf_embedding
 

@@ -22,9 +22,9 @@ ray = pytest.importorskip("ray")
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
-from rayvllm.errors import EngineDeadError, RequestFailedError  # noqa: E402
+from rayvllm.messages.errors import EngineDeadError, RequestFailedError  # noqa: E402
 
 from fault_hooks import HANG_FLAG_ENV, HANG_SEED, POISON_SEED  # noqa: E402
 

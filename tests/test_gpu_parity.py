@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rayvllm import LLM, SamplingParams
-from rayvllm.models.random_model import RandomModelSpec, build_random_model
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW, hf_greedy
 

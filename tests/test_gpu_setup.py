@@ -11,7 +11,7 @@ import torch
 from rayvllm import LLM, SamplingParams
 from rayvllm.config import resolve_dtype
 from rayvllm.models.loader import load_model
-from rayvllm.worker.gpu_memory import MemoryProfile, kv_cache_budget, profile_memory
+from rayvllm.model_executor.gpu_memory import MemoryProfile, kv_cache_budget, profile_memory
 
 GiB = 1 << 30
 
@@ -93,7 +93,7 @@ def test_profiled_kv_budget_on_cuda(tiny_model_dir: Path) -> None:
 def test_bfloat16_checkpoint_runs_in_bfloat16_on_cuda(tmp_path: Path) -> None:
     """"auto" keeps a bfloat16 checkpoint in bfloat16 on CUDA: weights, KV
     cache and the chosen GPU backend; tokens come out."""
-    from rayvllm.models.random_model import RandomModelSpec, build_random_model
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
     model_dir = build_random_model(tmp_path / "bf16", RandomModelSpec(dtype="bfloat16"))
     llm = LLM(model=str(model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=16 << 20)

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,7 +33,13 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
 )
 from rayvllm.entrypoints.openai.serving import OpenAIServing
-from rayvllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
+from rayvllm.messages.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 MAX_NUM_SEQS = 8
 ENGINE = dict(max_num_seqs=MAX_NUM_SEQS, max_model_len=128, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=128)

@@ -20,8 +20,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from rayvllm.engine_args import EngineArgs
-from rayvllm.metrics import EngineMetrics
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.frontend.metrics import EngineMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"

@@ -16,14 +16,20 @@ import pytest
 import torch
 
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.core_loop import EngineCoreLoop
+from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
-from rayvllm.engine_types import AbortRequests, AddRequests, EngineCoreFailure, EngineCoreOutputs, ModelRunnerOutput
 from rayvllm.executor.base import Executor
-from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.engine_types import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreFailure,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+)
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 
 def request(rid: str, max_tokens: int = 20) -> EngineCoreRequest:

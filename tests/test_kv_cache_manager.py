@@ -6,9 +6,10 @@ import pytest
 
 from rayvllm.core.block_pool import KVCacheBlock
 from rayvllm.core.kv_cache_manager import KVCacheManager
-from rayvllm.core.kv_cache_utils import hash_request_tokens, request_extra_keys
-from rayvllm.request import EngineCoreRequest, Request
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.core.request import Request
+from rayvllm.messages.block_hash import hash_request_tokens, request_extra_keys
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams
 
 
 def make_request(

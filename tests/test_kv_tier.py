@@ -14,16 +14,17 @@ import torch
 
 from hf_oracle import hf_greedy
 from rayvllm import LLM, SamplingParams
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.core.kv_cache_manager import KVCacheManager
-from rayvllm.core.kv_cache_utils import BlockHash, hash_request_tokens
-from rayvllm.engine_args import EngineArgs
+from rayvllm.core.request import Request
 from rayvllm.entrypoints.cli import add_model_args, given_args
-from rayvllm.errors import InvalidParameterError
 from rayvllm.kv_offload.block_io import KVBlockIO
 from rayvllm.kv_offload.host_tier import HostKVStore, HostKVTier
-from rayvllm.kv_offload.tier import KVTransfers
-from rayvllm.request import EngineCoreRequest, Request
-from rayvllm.sampling_params import SamplingParams as Params
+from rayvllm.messages.block_hash import BlockHash, hash_request_tokens
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.kv_transfers import KVTransfers
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams as Params
 
 BS = 4
 PER_BLOCK = 100  # bytes of one block in these bookkeeping tests
@@ -244,8 +245,8 @@ def test_greedy_parity_with_blocks_loaded_from_the_host_tier(tiny_model_dir: Pat
 
 
 def test_tier_counters_on_metrics() -> None:
-    from rayvllm.engine_types import KVOffloadStats, PrefixCacheStats, SchedulerStats
-    from rayvllm.metrics import EngineMetrics
+    from rayvllm.frontend.metrics import EngineMetrics
+    from rayvllm.messages.engine_types import KVOffloadStats, PrefixCacheStats, SchedulerStats
 
     metrics = EngineMetrics("m")
     offload = KVOffloadStats(tier="host", queries=128, hits=64, stores=5, evictions=2, bytes_stored=500)
@@ -318,7 +319,7 @@ def test_dp_routes_to_the_rank_whose_host_tier_holds_the_prefix(tiny_model_dir: 
 def test_scheduler_parks_a_loading_request_and_resumes_or_drops_it() -> None:
     from rayvllm.config import CacheConfig, SchedulerConfig
     from rayvllm.core.sched.scheduler import Scheduler
-    from rayvllm.engine_types import ModelRunnerOutput
+    from rayvllm.messages.engine_types import ModelRunnerOutput
 
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),

@@ -15,14 +15,14 @@ import ray
 
 from hf_oracle import hf_greedy
 from rayvllm import LLM, SamplingParams
-from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, KVTierDirectory, directory_name
-from rayvllm.core.kv_cache_utils import hash_request_tokens
-from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine_types import KVOffloadStats, ModelRunnerOutput
-from rayvllm.engine_args import EngineArgs
 from rayvllm.executor.uniproc import UniProcExecutor
-from rayvllm.request import EngineCoreRequest
+from rayvllm.kv_offload.ray_tier import KV_TIER_NAMESPACE, KVTierDirectoryActor, directory_name
+from rayvllm.messages.block_hash import hash_request_tokens
+from rayvllm.messages.engine_types import KVOffloadStats, ModelRunnerOutput
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 BLOCK = 16
 NUM_NEW = 6
@@ -66,7 +66,7 @@ def _run(core: EngineCore) -> dict[str, list[int]]:
 
 
 def test_directory_is_an_lru_bounded_in_bytes(ray_local: None) -> None:
-    directory = KVTierDirectory.remote(capacity_bytes=4 * 8, num_shards=2)
+    directory = KVTierDirectoryActor.remote(capacity_bytes=4 * 8, num_shards=2)
     hashes = [bytes([i]) * 32 for i in range(3)]
 
     def put(block_hash: bytes, shard: int) -> tuple[bytes, int, np.ndarray]:

@@ -18,10 +18,10 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from rayvllm import SamplingParams  # noqa: E402
-from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, directory_name  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.entrypoints.openai.api_server import LLMServer  # noqa: E402
 from rayvllm.entrypoints.serve_builder import replica_placement  # noqa: E402
+from rayvllm.kv_offload.ray_tier import KV_TIER_NAMESPACE, directory_name  # noqa: E402
 
 from hf_oracle import hf_greedy  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rayvllm import LLM, SamplingParams
-from rayvllm.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.messages.errors import InvalidParameterError, PromptTooLongError
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_cli_generate_on_demo_model(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert '"prompt": "Hello"' in result.stdout and '"finish_reason": "length"' in result.stdout
-    from rayvllm.demo import DEMO_VERSION
+    from rayvllm.utils.demo import DEMO_VERSION
 
     assert (tmp_path / "cache" / f"demo-llama-v{DEMO_VERSION}" / "config.json").exists()
 
@@ -161,7 +161,7 @@ def test_async_scheduling_defaults_by_executor(tiny_model_dir: Path) -> None:
     """On where a step can overlap the next one's scheduling (the Ray path
     with single-rank groups), off in-process; asking for it with ranks that
     do not sample is an error naming the field."""
-    from rayvllm.engine_args import EngineArgs
+    from rayvllm.config.engine_args import EngineArgs
 
     def resolved(**kw: object) -> bool:
         return EngineArgs(model=str(tiny_model_dir), **kw).create_engine_config().scheduler_config.async_scheduling

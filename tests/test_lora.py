@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 from rayvllm import LLM, LoRARequest, SamplingParams
-from rayvllm.core.kv_cache_utils import hash_request_tokens, request_extra_keys
+from rayvllm.core.request import Request
 from rayvllm.entrypoints.cli import build_parser
 from rayvllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_modules
-from rayvllm.errors import InvalidParameterError, ModelNotFoundError
-from rayvllm.lora.model_manager import LoRAModelManager
+from rayvllm.lora.extension import LoRAExtension
 from rayvllm.lora.slots import LoRASlots
-from rayvllm.models.random_model import RandomModelSpec, build_random_model
-from rayvllm.request import EngineCoreRequest, Request
+from rayvllm.messages.block_hash import hash_request_tokens, request_extra_keys
+from rayvllm.messages.errors import InvalidParameterError, ModelNotFoundError
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW
 from lora_oracle import build_adapter, peft_greedy
@@ -52,7 +53,9 @@ class _StepRecorder:
     through the runner's LoRA manager."""
 
     def __init__(self, llm: LLM) -> None:
-        manager: LoRAModelManager = llm.llm_engine.engine_core.executor.runner.lora
+        runner = llm.llm_engine.engine_core.executor.runner
+        manager = next(ext.manager for ext in runner.extensions if isinstance(ext, LoRAExtension))
+        assert manager is not None
         self.steps: list[set[int]] = []
         self.loads: list[tuple[int, int]] = []
         set_step, activate = manager.set_step, manager.activate

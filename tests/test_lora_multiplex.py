@@ -19,7 +19,7 @@ from ray.serve._private.common import DeploymentID  # noqa: E402
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # noqa: E402
 
 from rayvllm import SamplingParams  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.entrypoints.openai.api_server import LLMServer  # noqa: E402
 from rayvllm.entrypoints.serve_builder import replica_placement  # noqa: E402
 

@@ -7,15 +7,15 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rayvllm.engine_types import PrefixCacheStats, SchedulerStats
-from rayvllm.metrics import (
+from rayvllm.frontend.metrics import (
     FINISH_REASONS,
     LATENCY_BUCKETS_S,
     TPOT_BUCKETS_S,
     EngineMetrics,
     token_count_buckets,
 )
-from rayvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rayvllm.messages.engine_types import PrefixCacheStats, SchedulerStats
+from rayvllm.messages.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 MODEL = "tiny-llama"
 # Timestamps are sums of powers of two so every difference is exact in floats.

@@ -18,9 +18,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
-from rayvllm.errors import EngineDeadError  # noqa: E402
+from rayvllm.messages.errors import EngineDeadError  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3)]

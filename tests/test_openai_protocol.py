@@ -28,14 +28,14 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
     with_param,
 )
-from rayvllm.errors import (
+from rayvllm.messages.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidParameterError,
     ModelNotFoundError,
     PromptTooLongError,
 )
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 PARTS = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from rayvllm.config import ModelConfig
-from rayvllm.demo import demo_model_path
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,13 +31,16 @@ from rayvllm.entrypoints.openai.protocol import (
 )
 from rayvllm.entrypoints.openai.serving import EventStream, OpenAIServing
 from rayvllm.entrypoints.openai.streams import SSE_DONE
-from rayvllm.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PromptTooLongError
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from rayvllm.processor import Processor, PromptType
-from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.tokenizer import get_tokenizer
+from rayvllm.frontend.processor import Processor, PromptType
+from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PromptTooLongError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.utils.demo import demo_model_path
+from rayvllm.utils.tokenizer import get_tokenizer
+
+from processor_engine import ProcessorEngine
 
 MAX_MODEL_LEN = 64
 MODEL = "demo"
@@ -77,26 +79,23 @@ class FakeStream:
             await self.outputs.aclose()
 
 
-class FakeEngine:
+class FakeEngine(ProcessorEngine):
     """`EngineClient` with scripted DELTA outputs; records what it was asked
     and which streams were closed before their end (= aborted)."""
 
     def __init__(self, processor: Processor, gen: list[list[int]], alt: list[int]) -> None:
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        super().__init__(processor, MODEL)
         self.gen = gen
         self.alt = alt
         self.requests: list[EngineCoreRequest] = []
         self.finished: list[str] = []
         self.aborted: list[str] = []
         self.fail_after_steps: int | None = None
-        self.step_delay = 0.0
         # When set, no output is produced until it is (a first token still being computed).
         self.gate: asyncio.Event | None = None
-        # When set, a stream's outputs after its first wait until it is (a request mid-run).
-        self.hold: asyncio.Event | None = None
-        # Released by each stream's first output: what a test waits on instead of a clock.
-        self.first_outputs = asyncio.Semaphore(0)
+        # When set, each stream stops after its first output (mid-generation),
+        # puts its request id here and waits until it is closed.
+        self.held: asyncio.Queue[str] | None = None
 
     def add_request(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True,
@@ -115,12 +114,11 @@ class FakeEngine:
         for number, output in enumerate(self._script(request, prompt_text)):
             if self.fail_after_steps is not None and number == self.fail_after_steps:
                 raise EngineDeadError("the engine died")
-            if number > 0 and self.hold is not None:
-                await self.hold.wait()
-            await asyncio.sleep(self.step_delay)
+            if self.held is not None and number == 1:
+                self.held.put_nowait(request.request_id)
+                await asyncio.Event().wait()  # never set: only closing the stream ends this
+            await asyncio.sleep(0)  # a step boundary: the other streams' outputs interleave
             yield output
-            if number == 0:
-                self.first_outputs.release()
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
@@ -627,11 +625,11 @@ def test_a_stream_never_iterated_still_aborts_on_close(serving: OpenAIServing, e
 
 def test_cancelling_a_whole_response_aborts(serving: OpenAIServing, engine: FakeEngine) -> None:
     async def run() -> None:
-        engine.hold = asyncio.Event()  # never set: both prompts stay mid-run
+        engine.held = asyncio.Queue()
         req = completion_req(prompt=["hello", "the cat"], max_tokens=3)
         task = asyncio.create_task(serving.create_completion(req, "r"))
-        for _ in range(2):
-            await engine.first_outputs.acquire()  # each prompt has streamed its first token
+        # Both requests have sent their first output and are mid-generation.
+        assert sorted([await engine.held.get(), await engine.held.get()]) == ["r-0", "r-1"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from rayvllm.config import ModelConfig
-from rayvllm.detokenizer import (
+from rayvllm.frontend.detokenizer import (
     FastIncrementalDetokenizer,
     RequestDetokenizer,
     SlowIncrementalDetokenizer,
@@ -24,13 +24,13 @@ from rayvllm.detokenizer import (
     make_incremental_detokenizer,
     partial_stop_length,
 )
-from rayvllm.engine_types import EngineCoreOutput, LogprobsLists
-from rayvllm.errors import InvalidParameterError
-from rayvllm.output_processor import OutputProcessor
-from rayvllm.outputs import Logprob, RequestOutput, RequestOutputKind
-from rayvllm.processor import Processor, fan_out
-from rayvllm.request import EngineCoreRequest, FinishReason
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.frontend.processor import Processor, fan_out
+from rayvllm.messages.engine_types import EngineCoreOutput, LogprobsLists
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.outputs import Logprob, RequestOutput, RequestOutputKind
+from rayvllm.messages.request import EngineCoreRequest, FinishReason
+from rayvllm.messages.sampling_params import SamplingParams
 
 EOS = 2
 IM_START, IM_END = 3, 4

@@ -21,9 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group_table  # no
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.config import EngineConfig, ParallelConfig  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
-from rayvllm.errors import DistributedInitError, PlacementError  # noqa: E402
-from rayvllm.executor.ray_executor import RayExecutor  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.executor.placement import (  # noqa: E402
     RankPlacement,
     assign_ranks,
@@ -33,6 +31,8 @@ from rayvllm.executor.placement import (  # noqa: E402
     scheduler_hosts_worker,
     worker_bundles,
 )
+from rayvllm.executor.ray_executor import RayExecutor  # noqa: E402
+from rayvllm.messages.errors import DistributedInitError, PlacementError  # noqa: E402
 
 
 @ray.remote

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from rayvllm.config import ModelConfig
-from rayvllm.errors import InvalidParameterError, PromptTooLongError
-from rayvllm.processor import DEFAULT_MAX_LOGPROBS, Processor, child_request_id, fan_out
-from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.tokenizer import get_eos_token_ids, get_tokenizer, load_generation_config_eos_ids
+from rayvllm.frontend.processor import DEFAULT_MAX_LOGPROBS, Processor, child_request_id, fan_out
+from rayvllm.messages.errors import InvalidParameterError, PromptTooLongError
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.utils.tokenizer import get_eos_token_ids, get_tokenizer, load_generation_config_eos_ids
 
 MAX_MODEL_LEN = 64
 VOCAB = 4096

@@ -23,10 +23,11 @@ from rayvllm.config import ModelConfig  # noqa: E402
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest, ResponsesResponse  # noqa: E402
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses  # noqa: E402
 from rayvllm.entrypoints.openai.streams import EventStream  # noqa: E402
-from rayvllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from rayvllm.processor import Processor  # noqa: E402
-from rayvllm.sampling_params import SamplingParams  # noqa: E402
+from rayvllm.frontend.processor import Processor  # noqa: E402
+from rayvllm.messages.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from rayvllm.messages.sampling_params import SamplingParams  # noqa: E402
 
+from processor_engine import ProcessorEngine  # noqa: E402
 from serve_harness import app_url  # noqa: E402
 
 MODEL = "tiny"
@@ -184,10 +185,9 @@ class _OneOutput:
         self.closed = True
 
 
-class _ScriptedEngine:
+class _ScriptedEngine(ProcessorEngine):
     def __init__(self, processor: Processor, text: str, finish_reason: str) -> None:
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        super().__init__(processor, MODEL)
         self.text = text
         self.finish_reason = finish_reason
 

@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from rayvllm.engine_types import LogprobsTensors
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.worker.sampler import (
+from rayvllm.messages.engine_types import LogprobsTensors
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.model_executor.sampler import (
     Sampler,
     _Candidates,
     argmax_rows,
@@ -22,7 +22,7 @@ from rayvllm.worker.sampler import (
     top_k_top_p_candidates,
     topk_rows,
 )
-from rayvllm.worker.sampling_metadata import (
+from rayvllm.model_executor.sampling_metadata import (
     RequestSamplingState,
     SamplingMetadata,
     build_sampling_metadata,

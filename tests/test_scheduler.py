@@ -4,11 +4,12 @@ prefix hits and n > 1 siblings, driven with synthetic model outputs."""
 from __future__ import annotations
 
 from rayvllm.config import CacheConfig, SchedulerConfig
-from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
-from rayvllm.engine_types import ModelRunnerOutput
-from rayvllm.request import EngineCoreRequest, FinishReason, Request, RequestStatus
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.request import EngineCoreRequest, FinishReason, RequestStatus
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 
 def make_scheduler(

@@ -25,7 +25,7 @@ import requests
 openai = pytest.importorskip("openai")
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
-from rayvllm.tokenizer import get_tokenizer  # noqa: E402
+from rayvllm.utils.tokenizer import get_tokenizer  # noqa: E402
 
 from serve_harness import REPO, ServeProcess, free_port_pair, serve_run  # noqa: E402
 

@@ -17,16 +17,24 @@ import pytest
 
 from rayvllm import LLM, SamplingParams, StructuredOutputsParams
 from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from rayvllm.core.kv_cache_utils import hash_block_tokens
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
-from rayvllm.engine_args import EngineArgs
-from rayvllm.engine_types import ModelRunnerOutput, SchedulerStats, SpecDecodeOutput, SpecDecodingStats, PrefixCacheStats
 from rayvllm.entrypoints.cli import build_parser, engine_args_from
-from rayvllm.errors import InvalidParameterError
+from rayvllm.frontend.metrics import EngineMetrics
 from rayvllm.kernels import cpu_attention
-from rayvllm.metrics import EngineMetrics
-from rayvllm.models.random_model import RandomModelSpec, build_random_model
-from rayvllm.request import EngineCoreRequest, FinishReason, Request
+from rayvllm.messages.block_hash import hash_block_tokens
+from rayvllm.messages.engine_types import (
+    ModelRunnerOutput,
+    SchedulerStats,
+    SpecDecodeOutput,
+    SpecDecodingStats,
+    PrefixCacheStats,
+)
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.request import EngineCoreRequest, FinishReason
+from rayvllm.spec_decode.eligibility import can_speculate
+from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW, hf_greedy
 
@@ -195,6 +203,7 @@ def _scheduler(k: int = 3, budget: int = 64) -> Scheduler:
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=128),
         CacheConfig(block_size=4, num_blocks=64),
         speculative_config=SpeculativeConfig(num_speculative_tokens=k, method="ngram"),
+        can_speculate=can_speculate,
     )
 
 

@@ -15,8 +15,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rayvllm import LLM  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
 
 from hf_oracle import hf_greedy  # noqa: E402
 from test_spec_decode import ENGINE, GREEDY, NGRAM, repetitive_prompts  # noqa: E402

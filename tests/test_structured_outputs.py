@@ -20,9 +20,9 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from rayvllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
-from rayvllm.engine_args import EngineArgs  # noqa: E402
-from rayvllm.errors import InvalidParameterError  # noqa: E402
+from rayvllm.messages.errors import InvalidParameterError  # noqa: E402
 from rayvllm.structured_output.bitmask import apply_token_bitmask_, apply_token_bitmask_torch_  # noqa: E402
 from hf_oracle import hf_model  # noqa: E402
 

@@ -14,13 +14,13 @@ from typing import Any
 import jsonschema
 import pytest
 
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.chat_tools import ChatTools
 from rayvllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, parse_request
 from rayvllm.entrypoints.openai.serving import EventStream, OpenAIServing
 from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 WEATHER = {
     "type": "function",

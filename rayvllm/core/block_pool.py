@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from rayvllm.core.kv_cache_utils import BlockHash
+from rayvllm.messages.block_hash import BlockHash
 
 
 class BlockPoolListener(Protocol):

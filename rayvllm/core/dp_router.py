@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rayvllm.core.kv_cache_utils import BlockHash, hash_request_tokens, request_extra_keys
 from rayvllm.core.prefix_index import PrefixIndex
-from rayvllm.request import Request
+from rayvllm.core.request import Request
+from rayvllm.messages.block_hash import BlockHash, hash_request_tokens, request_extra_keys
 
 
 @dataclass(frozen=True, slots=True)

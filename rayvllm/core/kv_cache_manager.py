@@ -13,7 +13,7 @@ With a second KV tier (`kv_tier`), evicted cached blocks are stored there,
 and between 1 and 2 ``load_from_tier(request, hits)`` may instead start
 copying the request's next blocks in from the tier (the request then waits
 for its step to come back: ``finish_transfers``); each step carries the
-copies as ``take_transfers()``. kv_offload/manager.py has the protocol.
+copies as ``take_transfers()``. core/kv_offload_manager.py has the protocol.
 
 The two first calls must be made back to back for one request (no other
 allocation in between), because the hit blocks may be free-but-cached and could
@@ -30,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rayvllm.core.block_pool import BlockPool, BlockPoolListener, KVCacheBlock
-from rayvllm.core.kv_cache_utils import BlockHash, hash_block_tokens, request_extra_keys
-from rayvllm.engine_types import KVOffloadStats, PrefixCacheStats
-from rayvllm.kv_offload.manager import KVOffloadManager
-from rayvllm.kv_offload.tier import KVTier, KVTransfers
-from rayvllm.request import Request
+from rayvllm.core.kv_offload_manager import KVOffloadManager
+from rayvllm.core.kv_tier import KVTier
+from rayvllm.core.request import Request
+from rayvllm.messages.block_hash import BlockHash, hash_block_tokens, request_extra_keys
+from rayvllm.messages.engine_types import KVOffloadStats, PrefixCacheStats
+from rayvllm.messages.kv_transfers import KVTransfers
 
 
 class KVCacheManager:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rayvllm.core.block_pool import BlockPoolListener
-from rayvllm.core.kv_cache_utils import BlockHash
+from rayvllm.messages.block_hash import BlockHash
 
 
 class PrefixIndex:

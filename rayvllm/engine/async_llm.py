@@ -17,24 +17,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayvllm.config import EngineConfig
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.core_client import CoreRestarts, EngineCoreClient, make_client
-from rayvllm.engine_args import EngineArgs
-from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.lora.request import LoRARequest
-from rayvllm.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
-from rayvllm.metrics import EngineMetrics
-from rayvllm.output_processor import OutputProcessor
-from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.processor import Processor, PromptType
-from rayvllm.request import EngineCoreRequest
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.tokenizer import get_tokenizer
+from rayvllm.frontend.metrics import EngineMetrics
+from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.frontend.processor import Processor, PromptType
+from rayvllm.messages.engine_types import EngineCoreOutput, SchedulerStats
+from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -482,3 +482,30 @@ class AsyncLLM:
         # The step thread may be inside the core; shut the core down after it.
         self._thread.submit(self.engine_core.shutdown).result()
         self._thread.shutdown(wait=True)
+
+    # ---- what the serving layer asks (its EngineClient protocol) -----------------------
+
+    @property
+    def model_path(self) -> str:
+        return self.model_config.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
+
+    def check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        self.processor.check_runner(params)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        self.processor.lora.check(lora_request)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.processor.tokenize(text, add_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+        return self.processor.render_chat(messages, **options)
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        """The Prometheus text of fresh metrics, and its Content-Type."""
+        await self.refresh_stats()
+        return self.metrics.render()

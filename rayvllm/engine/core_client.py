@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rayvllm.config import EngineConfig
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
-from rayvllm.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.errors import EngineDeadError, PlacementError, StepFailedError
-from rayvllm.output_processor import OutputProcessor
-from rayvllm.request import EngineCoreRequest
+from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.messages.engine_types import EngineCoreOutput, SchedulerStats
+from rayvllm.messages.errors import EngineDeadError, PlacementError, StepFailedError
+from rayvllm.messages.request import EngineCoreRequest
 
 if TYPE_CHECKING:
     from rayvllm.engine.ray_core_client import RayEngineCoreClient

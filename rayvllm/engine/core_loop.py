@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 from rayvllm.distributed.rpc_channel import hang_up
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
-from rayvllm.engine_types import EngineCoreFailure, EngineCoreOutputs
-from rayvllm.errors import StepFailedError
+from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreOutputs
+from rayvllm.messages.errors import StepFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -36,16 +36,19 @@ from multiprocessing.connection import wait
 from rayvllm.config import EngineConfig
 from rayvllm.core.dp_router import DPRouter, RankLoad
 from rayvllm.core.prefix_index import PrefixIndex
-from rayvllm.core.sched.output import SchedulerOutput
+from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.rank_recovery import RankRecovery
-from rayvllm.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.factory import create_executor
 from rayvllm.kv_offload.factory import create_kv_tier
-from rayvllm.errors import EngineDeadError, StepFailedError
-from rayvllm.request import EngineCoreRequest, Request
+from rayvllm.lora.slots import LoRASlots
+from rayvllm.messages.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.scheduler_output import SchedulerOutput
+from rayvllm.spec_decode.eligibility import can_speculate
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +121,8 @@ class EngineCore:
             listener=index.listener(rank) if index is not None else None,
             kv_tier=create_kv_tier(self.config, index.tier_listener(rank) if index is not None else None),
             speculative_config=self.config.speculative_config,
-            max_loras=self.config.lora_config.max_loras if self.config.lora_config is not None else None,
+            can_speculate=can_speculate if self.config.speculative_config is not None else None,
+            lora_slots=LoRASlots(self.config.lora_config.max_loras) if self.config.lora_config is not None else None,
         )
 
     @property

@@ -17,8 +17,8 @@ import threading
 from collections import deque
 from typing import Protocol
 
-from rayvllm.engine_types import AbortRequests, AddRequests, EngineCoreInput
-from rayvllm.request import EngineCoreRequest
+from rayvllm.messages.engine_types import AbortRequests, AddRequests, EngineCoreInput
+from rayvllm.messages.request import EngineCoreRequest
 
 
 class IntakeTarget(Protocol):

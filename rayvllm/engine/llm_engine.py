@@ -9,16 +9,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from rayvllm.config import EngineConfig
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.core_client import CoreRestarts, make_engine_core
-from rayvllm.engine_args import EngineArgs
-from rayvllm.output_processor import OutputProcessor
-from rayvllm.lora.request import LoRARequest
-from rayvllm.errors import EngineDeadError, StepFailedError
-from rayvllm.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.processor import Processor
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.tokenizer import get_tokenizer
+from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.frontend.processor import Processor
+from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.utils.tokenizer import get_tokenizer
 
 
 class LLMEngine:

@@ -1,6 +1,6 @@
 """The client of a `SchedulerActor`'s engine loop (core_loop.py): the same
 methods as the in-process client, so `AsyncLLM` cannot tell them apart
-(DESIGN principle 1).
+(docs/ARCHITECTURE.md, principle 1).
 
 One direct connection (rpc_channel.py says why not Ray calls) carries both
 ways: inputs go out the moment the caller makes them, from any thread, in
@@ -23,7 +23,8 @@ import ray
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
 from rayvllm.distributed.rpc_channel import connect, hang_up
-from rayvllm.engine_types import (
+from rayvllm.executor.placement import remove_groups_made_by, remove_worker_placement_group, scheduler_actor_options
+from rayvllm.messages.engine_types import (
     AbortRequests,
     AddRequests,
     EngineCoreFailure,
@@ -34,9 +35,8 @@ from rayvllm.engine_types import (
     PrefixCacheStats,
     SchedulerStats,
 )
-from rayvllm.errors import EngineDeadError, StepFailedError
-from rayvllm.executor.placement import remove_groups_made_by, remove_worker_placement_group, scheduler_actor_options
-from rayvllm.request import EngineCoreRequest
+from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.request import EngineCoreRequest
 
 
 # How long a failed engine's SchedulerActor gets to take its workers down

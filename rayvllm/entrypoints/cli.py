@@ -10,31 +10,51 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from types import UnionType
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
-from rayvllm.engine_args import EngineArgs
-from rayvllm.entrypoints.server_args import ServerArgs
-from rayvllm.errors import RayvllmError
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.config.fields import cli_flag, format_default, parse_value
+from rayvllm.entrypoints.openai.server_args import ServerArgs
+from rayvllm.messages.errors import InvalidParameterError, RayvllmError
+
+
+class _ArgType:
+    """Converts a flag's text by its field's type, as `serve run key=value`
+    is converted (`parse_value`), naming the field in errors."""
+
+    def __init__(self, name: str, annotation: Any) -> None:
+        self.name, self.annotation = name, annotation
+
+    def __call__(self, text: str) -> Any:
+        try:
+            return parse_value(self.name, self.annotation, text)
+        except InvalidParameterError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def flag_help(field: FieldInfo) -> str:
+    """A flag's help: the field's, and the default an unset flag leaves."""
+    return f"{field.description or ''} (default: {format_default(field.default)})".replace("%", "%%")
 
 
 def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
     """One `--flag` per field of `model` (vLLM's dashes), typed from it; an
-    unset flag leaves the field's own default."""
+    unset flag leaves the field's own default (which its help shows)."""
     for name, field in model.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flag, help = cli_flag(name), flag_help(field)
         annotation = field.annotation
-        args = typing.get_args(annotation)
-        base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+        members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, UnionType) else ()
+        base = next((a for a in members if a is not type(None)), annotation)
         if base is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=field.description)
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help)
         elif typing.get_origin(base) is list:
-            parser.add_argument(flag, dest=name, nargs="+", type=typing.get_args(base)[0], default=None,
-                                help=field.description)
+            parser.add_argument(flag, dest=name, nargs="+", type=typing.get_args(base)[0], default=None, help=help)
         else:
-            parser.add_argument(flag, dest=name, type=base, default=None, help=field.description)
+            parser.add_argument(flag, dest=name, type=_ArgType(name, annotation), default=None, help=help)
 
 
 def given_args(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
@@ -48,7 +68,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 def _generate(ns: argparse.Namespace) -> int:
     from rayvllm.entrypoints.llm import LLM
-    from rayvllm.sampling_params import SamplingParams
+    from rayvllm.messages.sampling_params import SamplingParams
 
     args = engine_args_from(ns)
     llm = LLM(**args.model_dump(exclude_unset=True))
@@ -107,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen, EngineArgs)
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API with Ray Serve")
-    srv.add_argument("--host", default="0.0.0.0")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="0.0.0.0", help="the address to serve on (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="the port to serve on (default: %(default)s)")
     srv.add_argument("--address", default=None,
                      help="join this Ray cluster ('auto': the one running here); default: start a local one")
     srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=True,

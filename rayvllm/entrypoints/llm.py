@@ -8,13 +8,13 @@ from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.llm_engine import LLMEngine
-from rayvllm.engine_args import EngineArgs
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
 _Params = TypeVar("_Params", SamplingParams, PoolingParams)
@@ -23,38 +23,13 @@ _Params = TypeVar("_Params", SamplingParams, PoolingParams)
 class LLM:
     """vLLM's offline API. With no `model`, the embedded demo model is used.
 
-    Any `EngineArgs` field is accepted as a keyword (e.g. `kv_cache_memory_bytes`
-    for the CPU KV cache budget, default 2 GiB).
+    Any `EngineArgs` field is accepted as a keyword (`tokenizer`, `dtype`,
+    `max_model_len`, `max_num_seqs`, `kv_cache_memory_bytes`, ...), with
+    EngineArgs' defaults (docs/CONFIG.md lists them), as in vLLM.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        args = EngineArgs.from_dict(
-            dict(
-                model=model,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                seed=seed,
-                **kwargs,
-            )
-        )
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        args = EngineArgs.from_dict({"model": model, **kwargs})
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 

@@ -24,10 +24,10 @@ from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
-from rayvllm.engine_args import EngineArgs
-from rayvllm.entrypoints.server_args import ServerArgs
-from rayvllm.errors import InvalidParameterError
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.executor.placement import deployment_bundles
+from rayvllm.messages.errors import InvalidParameterError
 
 # `serve run <import path>` names its application "default"; the config file does too.
 DEFAULT_APP_NAME = "default"
@@ -153,19 +153,20 @@ def drain_on_sigterm() -> None:
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
-    """Route each key to the engine or the server; an unknown key is an
-    error naming it (a typo must not be silently ignored)."""
+    """Route each key to the engine or the server, text values converted by
+    the field's type; an unknown key is an error naming it (a typo must not
+    be silently ignored)."""
     unknown = [k for k in args if k not in EngineArgs.model_fields and k not in ServerArgs.model_fields]
     if unknown:
         raise InvalidParameterError(", ".join(unknown), "not an engine or server argument")
     engine = EngineArgs.from_dict({k: v for k, v in args.items() if k in EngineArgs.model_fields})
-    server = ServerArgs(**{k: v for k, v in args.items() if k in ServerArgs.model_fields})
+    server = ServerArgs.from_dict({k: v for k, v in args.items() if k in ServerArgs.model_fields})
     return engine, server
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    from rayvllm.demo import demo_model_path
     from rayvllm.entrypoints.openai.api_server import LLMServer
+    from rayvllm.utils.demo import demo_model_path
 
     engine, server = split_args(dict(args or {}))
     given = engine.model_dump(exclude_unset=True)
@@ -176,19 +177,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
     if server.disable_access_log:
         options["logging_config"] = LoggingConfig(enable_access_log=False)
-    return LLMServer.options(**options).bind(  # type: ignore[attr-defined]
-        given,
-        api_key=server.api_key,
-        max_pending_requests=server.max_pending_requests,
-        max_pending_prompt_tokens=server.max_pending_prompt_tokens,
-        max_request_bytes=server.max_request_bytes,
-        trust_request_chat_template=server.trust_request_chat_template,
-        step_timeout_s=server.step_timeout_s,
-        enable_auto_tool_choice=server.enable_auto_tool_choice,
-        tool_call_parser=server.tool_call_parser,
-        lora_modules=server.lora_modules,
-        allow_runtime_lora_updating=server.allow_runtime_lora_updating,
-    )
+    return LLMServer.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
 
 
 def replica_placement(engine: EngineArgs) -> dict[str, Any]:

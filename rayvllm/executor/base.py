@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.engine_types import ModelRunnerOutput
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 
 class PendingOutput(Protocol):

@@ -37,7 +37,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayvllm.config import ParallelConfig
-from rayvllm.errors import InvalidParameterError, PlacementError
+from rayvllm.messages.errors import InvalidParameterError, PlacementError
 
 Bundle = dict[str, float]
 
@@ -57,7 +57,7 @@ def worker_bundles(parallel_config: ParallelConfig, device: str) -> list[Bundle]
     """One bundle per rank of a worker group, shaped by the device.
 
     GPU ranks reserve exactly one GPU and no CPU, so a small machine can still
-    host the scheduler and Serve beside them (DESIGN principle 8)."""
+    host the scheduler and Serve beside them (docs/ARCHITECTURE.md, principle 8)."""
     kind = device.split(":", 1)[0]
     if kind == "cuda":
         bundle: Bundle = {"GPU": 1.0}

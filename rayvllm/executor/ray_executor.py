@@ -21,10 +21,7 @@ from ray.exceptions import RayActorError
 
 from rayvllm.actors.worker_actor import WorkerActor
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.rpc_channel import ChannelClient, pickle_message
-from rayvllm.engine_types import ModelRunnerOutput
-from rayvllm.errors import DistributedInitError, EngineDeadError
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.placement import (
     RankPlacement,
@@ -34,6 +31,9 @@ from rayvllm.executor.placement import (
     remove_worker_placement_group,
     worker_group_name,
 )
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.errors import DistributedInitError, EngineDeadError
+from rayvllm.messages.scheduler_output import SchedulerOutput
 
 
 class _PendingStep:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.engine_types import ModelRunnerOutput
 from rayvllm.executor.base import Executor
-from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.scheduler_output import SchedulerOutput
+from rayvllm.model_executor.model_runner import ModelRunner
+from rayvllm.worker.extensions import create_model_runner
 
 
 class UniProcExecutor(Executor):
     runner: ModelRunner
 
     def initialize(self) -> int:
-        self.runner = ModelRunner(self.config)
+        self.runner = create_model_runner(self.config)
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)

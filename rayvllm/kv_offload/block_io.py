@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rayvllm.kv_offload.tier import KVBlockStore, KVTransfers
+from rayvllm.kv_offload.tier import KVBlockStore
+from rayvllm.messages.kv_transfers import KVTransfers
 
 
 class KVBlockIO:

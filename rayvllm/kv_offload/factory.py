@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 from rayvllm.config import EngineConfig
+from rayvllm.config.kv_offload import kv_bytes_per_block
 from rayvllm.core.block_pool import BlockPoolListener
+from rayvllm.core.kv_tier import KVTier
 from rayvllm.kv_offload.block_io import KVBlockIO
-from rayvllm.kv_offload.config import kv_bytes_per_block
 from rayvllm.kv_offload.host_tier import HostKVStore, HostKVTier
-from rayvllm.kv_offload.tier import KVBlockStore, KVTier
+from rayvllm.kv_offload.tier import KVBlockStore
 
 
 def group_bytes_per_block(config: EngineConfig) -> int:
@@ -20,12 +21,18 @@ def group_bytes_per_block(config: EngineConfig) -> int:
     return kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache_config.block_size, mc.dtype)
 
 
+def offloads_kv(config: EngineConfig) -> bool:
+    """Whether the engine has a second KV tier: configured, and prefix
+    caching on (the tier keys blocks by their hashes)."""
+    return config.kv_offload_config is not None and config.cache_config.enable_prefix_caching
+
+
 def create_kv_tier(config: EngineConfig, listener: BlockPoolListener | None = None) -> KVTier | None:
     """The scheduler side of one DP rank's tier; None without offloading.
     `listener` hears a rank-local tier's hashes come and go (the shared
     Ray tier has none to tell)."""
     oc = config.kv_offload_config
-    if oc is None or not config.cache_config.enable_prefix_caching:
+    if oc is None or not offloads_kv(config):
         return None
     per_block = group_bytes_per_block(config)
     if oc.backend == "native":
@@ -40,7 +47,7 @@ def create_kv_block_io(
 ) -> KVBlockIO | None:
     """The worker side for group rank `shard` over its bound caches."""
     oc = config.kv_offload_config
-    if oc is None or not config.cache_config.enable_prefix_caching or not kv_caches:
+    if oc is None or not offloads_kv(config) or not kv_caches:
         return None
     store: KVBlockStore
     if oc.backend == "native":

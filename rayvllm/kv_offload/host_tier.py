@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from rayvllm.core.block_pool import BlockPoolListener
-from rayvllm.core.kv_cache_utils import BlockHash
+from rayvllm.messages.block_hash import BlockHash
 
 
 class HostKVTier:

@@ -18,10 +18,10 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from rayvllm.actors.kv_tier_directory import KV_TIER_NAMESPACE, KVTierDirectory, directory_name
-from rayvllm.core.kv_cache_utils import BlockHash
-from rayvllm.errors import InvalidParameterError
-from rayvllm.kv_offload.config import KVOffloadConfig
+from rayvllm.config.kv_offload import KVOffloadConfig
+from rayvllm.kv_offload.directory import KVTierDirectory
+from rayvllm.messages.block_hash import BlockHash
+from rayvllm.messages.errors import InvalidParameterError
 
 # A directory call or object read slower than this counts as a miss: the
 # block is recomputed rather than the step held up.
@@ -29,6 +29,21 @@ _TIMEOUT_S = 10.0
 # Hashes this rank stored lately, remembered so that it does not put the
 # same block again each time the pool evicts it.
 _RECENT_STORES = 1 << 16
+# Where the directories live, whichever namespace their engines run in.
+KV_TIER_NAMESPACE = "rayvllm_kv_tier"
+
+
+def directory_name(fingerprint: str) -> str:
+    return f"rayvllm-kv-tier-{fingerprint}"
+
+
+@ray.remote(num_cpus=0)
+class KVTierDirectoryActor(KVTierDirectory):
+    """The directory as an actor: it puts every shard itself, so it owns
+    the objects (they go when it drops them, not with the worker)."""
+
+    def __init__(self, capacity_bytes: int, num_shards: int) -> None:
+        super().__init__(capacity_bytes, num_shards, ray.put)
 
 
 def _directory(oc: KVOffloadConfig, num_shards: int) -> Any:
@@ -36,7 +51,7 @@ def _directory(oc: KVOffloadConfig, num_shards: int) -> Any:
         raise InvalidParameterError("kv_offloading_backend", "'ray' needs a running Ray (the engine's Ray runtime)")
     # "DEFAULT" scheduling: not in the creating engine's placement group
     # (whose actors capture their children), which goes with that engine.
-    return KVTierDirectory.options(
+    return KVTierDirectoryActor.options(
         name=directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE, lifetime="detached",
         get_if_exists=True, scheduling_strategy="DEFAULT",
     ).remote(oc.size_bytes, num_shards)

@@ -4,10 +4,10 @@ one adapter. An adapter directory is read once per (id, path)."""
 
 from __future__ import annotations
 
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.config import LoRAConfig
+from rayvllm.config.lora import LoRAConfig
 from rayvllm.lora.peft_adapter import check_adapter
-from rayvllm.lora.request import LoRARequest
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.lora_request import LoRARequest
 
 
 class LoRAChecker:

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from rayvllm.core.sched.output import SchedulerOutput
-from rayvllm.lora.config import LoRAConfig
+from rayvllm.config.lora import LoRAConfig
 from rayvllm.lora.layers import LoRALinear, LoRAStep
 from rayvllm.lora.peft_adapter import PeftAdapter, load_adapter
-from rayvllm.lora.request import LoRARequest
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.models.llama import LlamaForCausalLM
 
 # HF projection -> (our fused projection, its slice index).

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.config import SUPPORTED_TARGET_MODULES, LoRAConfig
-from rayvllm.lora.request import LoRARequest
+from rayvllm.config.lora import SUPPORTED_TARGET_MODULES, LoRAConfig
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.lora_request import LoRARequest
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from rayvllm.request import Request
+from rayvllm.core.request import Request
 
 
 class LoRASlots:
-    """Invariants: `resident` maps adapter id -> slot, least recently
-    used first, over distinct slots; `refs[id]` counts the running
-    requests in `held` that use adapter `id`; a slot whose adapter has
-    refs is never reassigned."""
+    """The scheduler's `LoRASlotTable` (core/sched/plugins.py), built and
+    injected by the engine.
+
+    Invariants: `resident` maps adapter id -> slot, least recently used
+    first, over distinct slots; `refs[id]` counts the running requests in
+    `held` that use adapter `id`; a slot whose adapter has refs is never
+    reassigned."""
 
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayvllm.distributed.parallel_state import ParallelContext
-from rayvllm.errors import InvalidParameterError
 from rayvllm.kernels import cpu_ops, gemm_select
 from rayvllm.kernels.metadata import AttentionMetadata
 from rayvllm.layers.attention import Attention
@@ -30,6 +29,7 @@ from rayvllm.layers.layernorm import RMSNorm
 from rayvllm.layers.linear import Linear, RowParallelLinear
 from rayvllm.layers.rotary import RotaryEmbedding
 from rayvllm.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from rayvllm.messages.errors import InvalidParameterError
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

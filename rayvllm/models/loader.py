@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from rayvllm.distributed.parallel_state import ParallelContext
-from rayvllm.errors import InvalidParameterError
 from rayvllm.kernels import cpu_ops
+from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

@@ -11,7 +11,7 @@ is long enough (`past_min_tokens`)."""
 
 from __future__ import annotations
 
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 
 def can_speculate(params: SamplingParams) -> bool:

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rayvllm.engine_types import LogprobsLists
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.worker.prompt_logprobs import compute_prompt_logprobs
-from rayvllm.worker.sampler import argmax_rows, categorical_inverse_cdf, top_k_top_p_candidates
+from rayvllm.messages.engine_types import LogprobsLists
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
+from rayvllm.model_executor.sampler import argmax_rows, categorical_inverse_cdf, top_k_top_p_candidates
 
 
 def step_generator(seed: int | None, num_output_tokens: int, purpose: int, device: torch.device) -> torch.Generator | None:

@@ -12,8 +12,8 @@ import json
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from rayvllm.errors import InvalidParameterError
-from rayvllm.structured_output.params import StructuredOutputsParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar

@@ -1,5 +1,6 @@
 """One rank of a worker group, Ray-free: process-group setup, the preflight
-check, and the model runner. `rayvllm.actors.WorkerActor` is its Ray shim."""
+check, and the model runner with the features the config enables
+(extensions.py). `rayvllm.actors.WorkerActor` is its Ray shim."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from rayvllm.config import EngineConfig
-from rayvllm.core.sched.output import SchedulerOutput
 from rayvllm.distributed.parallel_state import ParallelContext
-from rayvllm.engine_types import ModelRunnerOutput
-from rayvllm.worker.model_runner import ModelRunner
+from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.scheduler_output import SchedulerOutput
+from rayvllm.model_executor.model_runner import ModelRunner
+from rayvllm.worker.extensions import create_model_runner
 
 
 def free_port() -> int:
@@ -103,7 +105,7 @@ class Worker:
     # ---- model -------------------------------------------------------------------
 
     def load_model(self) -> None:
-        self.runner = ModelRunner(self.config, self.parallel)
+        self.runner = create_model_runner(self.config, self.parallel)
         self.runner.load_model()
 
     def determine_num_blocks(self) -> int:

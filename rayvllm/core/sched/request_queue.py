@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from rayvllm.request import Request
+from rayvllm.core.request import Request
 
 
 class FCFSQueue:

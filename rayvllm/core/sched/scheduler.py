@@ -17,9 +17,11 @@ from collections.abc import Iterable
 from rayvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.core.kv_cache_manager import KVCacheManager
-from rayvllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from rayvllm.core.kv_tier import KVTier
+from rayvllm.core.request import Request
+from rayvllm.core.sched.plugins import LoRASlotTable, SpeculationEligibility
 from rayvllm.core.sched.request_queue import create_request_queue
-from rayvllm.engine_types import (
+from rayvllm.messages.engine_types import (
     EngineCoreOutput,
     LogprobsLists,
     ModelRunnerOutput,
@@ -27,10 +29,8 @@ from rayvllm.engine_types import (
     SpecDecodeOutput,
     SpecDecodingStats,
 )
-from rayvllm.kv_offload.tier import KVTier
-from rayvllm.lora.slots import LoRASlots
-from rayvllm.request import FinishReason, Request, RequestStatus
-from rayvllm.spec_decode.eligibility import can_speculate
+from rayvllm.messages.request import FinishReason, RequestStatus
+from rayvllm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -72,10 +72,16 @@ class Scheduler:
         max_inflight_steps: int = 1,
         listener: BlockPoolListener | None = None,
         speculative_config: SpeculativeConfig | None = None,
-        max_loras: int | None = None,
+        can_speculate: SpeculationEligibility | None = None,
+        lora_slots: LoRASlotTable | None = None,
         kv_tier: KVTier | None = None,
     ) -> None:
-        """`max_loras`: LoRA on, with that many adapter slots (None: off)."""
+        """The features come built: `can_speculate` (given exactly when
+        `speculative_config` is) picks the requests that may speculate;
+        `lora_slots` (None: LoRA off) assigns adapters their batch slots;
+        `kv_tier` (None: no second tier) backs the prefix cache."""
+        if (speculative_config is None) != (can_speculate is None):
+            raise ValueError("speculative_config and can_speculate come together")
         self.config = scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -108,7 +114,8 @@ class Scheduler:
         self.spec_decoding_stats = (
             SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
         )
-        self.lora_slots = LoRASlots(max_loras) if max_loras is not None else None
+        self.lora_slots = lora_slots
+        self.can_speculate = can_speculate
 
     # ---- requests in and out -------------------------------------------------
 
@@ -315,7 +322,7 @@ class Scheduler:
         A pooling request samples nothing: it ends with its prompt; a
         request that can speculate waits for its output instead (see the
         class docstring)."""
-        if self.speculative_config is not None and can_speculate(request.sampling_params):
+        if self.can_speculate is not None and self.can_speculate(request.sampling_params):
             return
         if self.async_scheduling and request.pooling_params is None and (
             request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders

@@ -1,98 +1,51 @@
 """The `LLMServer` Ray Serve deployment: OpenAI HTTP routes plus Python handle methods.
 
 One replica holds the Processor and the asyncio engine loop (`AsyncLLM`);
-the engine core runs in the SchedulerActor with its worker groups (DESIGN),
-so the replica itself asks Ray for no CPU. HTTP errors are OpenAI-style
-JSON bodies carrying the status of the `RayvllmError` raised.
+the engine core runs in the SchedulerActor with its worker groups (docs/ARCHITECTURE.md),
+so the replica itself asks Ray for no CPU. Every route goes through
+`http_route.openai_route` (authorization, the bounded body, errors as
+OpenAI-style JSON bodies with the status of the `RayvllmError` raised) and
+reaches the engine through its `EngineClient` methods only.
 """
 
 
-import hmac
-import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi import FastAPI
+from fastapi.responses import Response
 import ray
 from ray import serve
 
+from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    error_body,
-    parse_request,
+    TokenizeRequest,
     parse_tokenize_request,
 )
-from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from rayvllm.entrypoints.openai.server_args import PENDING_PER_SEQ, ServerArgs, default_max_pending_prompt_tokens
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from rayvllm.entrypoints.server_args import PENDING_PER_SEQ, default_max_pending_prompt_tokens
-from rayvllm.errors import (
-    AuthenticationError,
-    EngineOverloadedError,
-    InvalidParameterError,
-    ModelNotFoundError,
-    RequestTooLargeError,
-)
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import RequestOutput, RequestOutputKind
-from rayvllm.pooling_params import PoolingParams
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.errors import ModelNotFoundError
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
 
 app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
 
-_Body = TypeVar("_Body", bound=BaseModel)
 
-# Clients told to come back after an overload wait this long (seconds).
-RETRY_AFTER_S = 1
-
-
-def _error(exc: BaseException) -> JSONResponse:
-    status, body = error_body(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, EngineOverloadedError) else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def _json(request: Request, max_bytes: int | None) -> dict[str, Any]:
-    """The body as a JSON object, read no further than `max_bytes` (None:
-    no limit): a declared or streamed body over it is a 413 before it is
-    held in memory or parsed."""
-    declared = request.headers.get("content-length", "")
-    if max_bytes is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestTooLargeError(f"the request body has {declared} bytes; this server takes at most {max_bytes}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if max_bytes is not None and len(body) > max_bytes:
-            raise RequestTooLargeError(f"the request body is over {max_bytes} bytes, the most this server takes")
-    try:
-        data = json.loads(body)
-    except RecursionError:
-        raise InvalidParameterError("body", "JSON nested too deeply") from None
-    except ValueError as e:  # bad JSON or UTF-8, an integer of over 4,300 digits
-        raise InvalidParameterError("body", f"not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise InvalidParameterError("body", "must be a JSON object")
-    return data
-
-
-async def _parse(request: Request, model: type[_Body], max_bytes: int | None) -> _Body:
-    return parse_request(model, await _json(request, max_bytes))
-
-
-def _respond(result: BaseModel | AsyncIterator[str]) -> Response:
-    if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump(mode="json"))
-    return StreamingResponse(result, media_type="text/event-stream")
+def _lora_updated(body: dict[str, Any], done: str) -> Response:
+    return Response(f"Success: LoRA adapter '{body['lora_name']}' {done} successfully.", status_code=200)
 
 
 def _sampling_params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -128,22 +81,11 @@ class LLMServer:
     """Invariant: one `AsyncLLM` per replica, started with the replica and
     shut down with it; every route and handle method goes through it."""
 
-    def __init__(
-        self,
-        engine_args: dict[str, Any],
-        api_key: str | None = None,
-        max_pending_requests: int | None = None,
-        max_pending_prompt_tokens: int | None = None,
-        max_request_bytes: int | None = None,
-        trust_request_chat_template: bool = False,
-        step_timeout_s: float | None = None,
-        enable_auto_tool_choice: bool = False,
-        tool_call_parser: str | None = None,
-        lora_modules: list[str] | str | None = None,
-        allow_runtime_lora_updating: bool = False,
-    ) -> None:
-        """Server options as `server_args.ServerArgs` documents them
-        (its defaults are the served ones; None here means no limit)."""
+    def __init__(self, engine_args: dict[str, Any], **server_args: Any) -> None:
+        """`server_args`: `ServerArgs` fields; an unset one takes its default there."""
+        server = ServerArgs.from_dict(server_args)
+        max_pending_requests = server.max_pending_requests
+        max_pending_prompt_tokens = server.max_pending_prompt_tokens
         args = EngineArgs.from_dict(engine_args)
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
@@ -159,20 +101,21 @@ class LLMServer:
         self.engine = AsyncLLM(
             config, max_pending_requests=max_pending_requests, max_pending_prompt_tokens=max_pending_prompt_tokens,
             reserved_pg=ray.util.get_current_placement_group(),
-            step_timeout_s=step_timeout_s,
+            step_timeout_s=server.step_timeout_s,
         )
         serving_args = ([self.engine.served_model_name], self.engine.max_model_len)
         self.models = OpenAIServingModels(
-            *serving_args, root=config.model_config.model, lora_modules=parse_lora_modules(lora_modules),
-            check_lora=self.engine.processor.lora.check,
+            *serving_args, root=self.engine.model_path, lora_modules=parse_lora_modules(server.lora_modules),
+            check_lora=self.engine.check_lora,
         )
         self.serving = OpenAIServing(
-            self.engine, *serving_args, trust_request_chat_template=trust_request_chat_template,
-            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser, models=self.models,
+            self.engine, *serving_args, trust_request_chat_template=server.trust_request_chat_template,
+            enable_auto_tool_choice=server.enable_auto_tool_choice, tool_call_parser=server.tool_call_parser,
+            models=self.models,
         )
         self.embedding = OpenAIServingEmbedding(self.engine, *serving_args, models=self.models)
         self.responses = OpenAIServingResponses(self.engine, *serving_args, models=self.models)
-        self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        self.allow_runtime_lora_updating = server.allow_runtime_lora_updating
         self._multiplexed_lora = None
         if config.lora_config is not None:
             # Serve model multiplexing: a replica reports the adapters it
@@ -187,17 +130,8 @@ class LLMServer:
             self._multiplexed_lora = serve.multiplexed(
                 max_num_models_per_replica=config.lora_config.max_cpu_loras
             )(lora_for)
-        self.api_key = api_key
-        self.max_request_bytes = max_request_bytes
-
-    def _authorize(self, request: Request) -> None:
-        """With an API key set, the API routes (not /health or /metrics,
-        which probes and scrapers reach) need `Authorization: Bearer <key>`."""
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise AuthenticationError("missing or wrong API key (send 'Authorization: Bearer <key>')")
+        self.api_key = server.api_key
+        self.max_request_bytes = server.max_request_bytes
 
     async def _multiplexed_adapter(self) -> LoRARequest | None:
         """The adapter Serve routed this request for (None: none named),
@@ -207,116 +141,79 @@ class LLMServer:
             return None
         return await self._multiplexed_lora(model_id)
 
+    async def _require_pooling(self) -> None:
+        """A model that does not pool says so before an embedding body is read."""
+        self.engine.check_runner(PoolingParams())
+        await self._multiplexed_adapter()
+
+    async def _require_runtime_lora(self) -> None:
+        if not self.allow_runtime_lora_updating:
+            raise ModelNotFoundError(
+                "loading adapters at run time is off; start the server with allow_runtime_lora_updating=true"
+            )
+
     # ---- OpenAI routes --------------------------------------------------------------
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            await self._multiplexed_adapter()
-            body = await _parse(request, CompletionRequest, self.max_request_bytes)
-            return _respond(await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}"))
-        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
-            return _error(e)
+    @openai_route(CompletionRequest, before=_multiplexed_adapter)
+    async def completions(self, body: CompletionRequest) -> Reply:
+        return await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            await self._multiplexed_adapter()
-            body = await _parse(request, ChatCompletionRequest, self.max_request_bytes)
-            return _respond(await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}"))
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+    @openai_route(ChatCompletionRequest, before=_multiplexed_adapter)
+    async def chat_completions(self, body: ChatCompletionRequest) -> Reply:
+        return await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/responses")
-    async def create_response(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            await self._multiplexed_adapter()
-            body = await _parse(request, ResponsesRequest, self.max_request_bytes)
-            return _respond(await self.responses.create_response(body, f"resp_{uuid.uuid4().hex}"))
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+    @openai_route(ResponsesRequest, before=_multiplexed_adapter)
+    async def create_response(self, body: ResponsesRequest) -> Reply:
+        return await self.responses.create_response(body, f"resp_{uuid.uuid4().hex}")
 
     @app.post("/v1/embeddings")
-    async def embeddings(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            # A model that does not pool says so before its body is read.
-            self.engine.processor.check_runner(PoolingParams())
-            await self._multiplexed_adapter()
-            body = await _parse(request, EmbeddingRequest, self.max_request_bytes)
-            return _respond(await self.embedding.create_embedding(body, f"embd-{uuid.uuid4().hex}"))
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+    @openai_route(EmbeddingRequest, before=_require_pooling)
+    async def embeddings(self, body: EmbeddingRequest) -> Reply:
+        return await self.embedding.create_embedding(body, f"embd-{uuid.uuid4().hex}")
 
     @app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except AuthenticationError as e:
-            return _error(e)
-        return JSONResponse(self.serving.show_models().model_dump(mode="json"))
+    @openai_route()
+    async def models(self) -> Reply:
+        return self.serving.show_models()
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, request: Request) -> Response:
+    @openai_route(dict, before=_require_runtime_lora)
+    async def load_lora_adapter(self, body: dict[str, Any]) -> Reply:
         """vLLM's route: {"lora_name", "lora_path"} becomes a served model
         (on this replica: the one that answers)."""
-        return await self._update_loras(request, load=True)
+        self.models.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
+        return _lora_updated(body, "added")
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(self, request: Request) -> Response:
+    @openai_route(dict, before=_require_runtime_lora)
+    async def unload_lora_adapter(self, body: dict[str, Any]) -> Reply:
         """vLLM's route: {"lora_name"} is served no more; admitted requests finish with it."""
-        return await self._update_loras(request, load=False)
-
-    async def _update_loras(self, request: Request, load: bool) -> Response:
-        try:
-            self._authorize(request)
-            if not self.allow_runtime_lora_updating:
-                raise ModelNotFoundError(
-                    "loading adapters at run time is off; start the server with allow_runtime_lora_updating=true"
-                )
-            body = await _json(request, self.max_request_bytes)
-            if load:
-                self.models.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
-            else:
-                self.models.unload_lora_adapter(body.get("lora_name"))
-            done = "added" if load else "removed"
-            return Response(f"Success: LoRA adapter '{body['lora_name']}' {done} successfully.", status_code=200)
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+        self.models.unload_lora_adapter(body.get("lora_name"))
+        return _lora_updated(body, "removed")
 
     @app.post("/tokenize")
-    async def tokenize(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            body = parse_tokenize_request(await _json(request, self.max_request_bytes))
-            return JSONResponse((await self.serving.tokenize(body)).model_dump(mode="json"))
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+    @openai_route(parse_tokenize_request)
+    async def tokenize(self, body: TokenizeRequest) -> Reply:
+        return await self.serving.tokenize(body)
 
     @app.post("/detokenize")
-    async def detokenize(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            body = await _parse(request, DetokenizeRequest, self.max_request_bytes)
-            return JSONResponse(self.serving.detokenize(body).model_dump(mode="json"))
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+    @openai_route(DetokenizeRequest)
+    async def detokenize(self, body: DetokenizeRequest) -> Reply:
+        return self.serving.detokenize(body)
 
     @app.get("/health")
-    async def health(self) -> Response:
-        try:
-            await self.engine.check_health()
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
+    @openai_route(public=True)
+    async def health(self) -> Reply:
+        await self.engine.check_health()
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
-        await self.engine.refresh_stats()
-        payload, content_type = self.engine.metrics.render()
+    @openai_route(public=True)
+    async def metrics(self) -> Reply:
+        payload, content_type = await self.engine.render_metrics()
         return Response(payload, media_type=content_type)
 
     # ---- Python handle methods ------------------------------------------------------

@@ -25,8 +25,8 @@ from rayvllm.entrypoints.openai.tool_protocol import (
     ToolRequestFields,
     tool_call_id,
 )
-from rayvllm.errors import InvalidParameterError
-from rayvllm.structured_output.params import StructuredOutputsParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 __all__ = ["ChatTools", "ChoiceToolCalls"]
 

@@ -11,8 +11,8 @@ import numpy as np
 from pydantic import Field
 
 from rayvllm.entrypoints.openai.protocol import OpenAIBaseModel, with_param
-from rayvllm.errors import InvalidParameterError
-from rayvllm.pooling_params import PoolingParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.pooling_params import PoolingParams
 
 __all__ = ["EmbeddingRequest", "EmbeddingResponse", "EmbeddingResponseData", "EmbeddingUsage", "encode_embedding"]
 

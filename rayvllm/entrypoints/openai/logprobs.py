@@ -1,7 +1,7 @@
 """Engine logprobs (`{token id: Logprob}` per position) in OpenAI's two formats.
 
 Each position's dict holds the chosen token and the top-k the request asked
-for (see `rayvllm.outputs.SampleLogprobs`). JSON has no -inf, so logprobs
+for (see `rayvllm.messages.outputs.SampleLogprobs`). JSON has no -inf, so logprobs
 are clamped to -9999.0 as OpenAI and vLLM do.
 """
 
@@ -18,7 +18,7 @@ from rayvllm.entrypoints.openai.protocol import (
     PromptLogprob,
     PromptLogprobsList,
 )
-from rayvllm.outputs import Logprob
+from rayvllm.messages.outputs import Logprob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -22,8 +22,8 @@ from pydantic import SerializerFunctionWrapHandler, model_serializer
 
 from rayvllm.entrypoints.openai.structured_request import StructuredOutputRequestFields
 from rayvllm.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall, ToolRequestFields
-from rayvllm.errors import InvalidParameterError, RayvllmError
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.messages.errors import InvalidParameterError, RayvllmError
+from rayvllm.messages.sampling_params import SamplingParams
 
 __all__ = [
     "ChatCompletionContentPart",

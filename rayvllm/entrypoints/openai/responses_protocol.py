@@ -28,9 +28,9 @@ from rayvllm.entrypoints.openai.tool_protocol import (
     NamedToolChoice,
     ToolRequestFields,
 )
-from rayvllm.errors import InvalidParameterError
-from rayvllm.sampling_params import SamplingParams
-from rayvllm.structured_output.params import StructuredOutputsParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "IncompleteDetails",

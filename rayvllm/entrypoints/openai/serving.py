@@ -23,11 +23,12 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, cast
 
 from pydantic import BaseModel
 
 from rayvllm.entrypoints.openai.chat_tools import ChatTools, ChoiceToolCalls
+from rayvllm.entrypoints.openai.engine_client import EngineClient
 from rayvllm.entrypoints.openai.logprobs import LogprobFormatter, padded, prompt_logprobs_field
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -50,46 +51,18 @@ from rayvllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
+from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels
 from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, OutputStream, sse, sse_error
 from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
-from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels
-from rayvllm.errors import InvalidParameterError
-from rayvllm.lora.request import LoRARequest
-from rayvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from rayvllm.processor import Processor, PromptType, TokensPrompt
-from rayvllm.sampling_params import SamplingParams
+from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
+from rayvllm.frontend.processor import PromptType, TokensPrompt
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput
+from rayvllm.messages.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-__all__ = ["EngineClient", "EventStream", "OpenAIServing"]
+__all__ = ["EventStream", "OpenAIServing"]
 
 logger = logging.getLogger(__name__)
-
-
-class EngineClient(Protocol):
-    """What `OpenAIServing` needs from an engine (async engine or Serve handle shim).
-
-    `add_request` admits a request at once (invalid input, overload or a
-    dead engine raise a `RayvllmError` there, before any token) and returns
-    its stream of DELTA outputs: each carries, for the sequences touched in
-    that step, only what is new; `finished` is True on the last one. Closing
-    the stream before it is exhausted aborts the request.
-    """
-
-    processor: Processor
-    tokenizer: "PreTrainedTokenizerBase"
-
-    def add_request(
-        self,
-        prompt: PromptType,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        add_special_tokens: bool = True,
-        lora_request: LoRARequest | None = None,
-    ) -> OutputStream: ...
 
 
 # ---- bookkeeping -------------------------------------------------------------------
@@ -260,8 +233,7 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
-        root = getattr(getattr(engine.processor, "model_config", None), "model", None)
-        self.models = models or OpenAIServingModels(self.served_model_names, max_model_len, root)
+        self.models = models or OpenAIServingModels(self.served_model_names, max_model_len, engine.model_path)
         self._logprobs = LogprobFormatter(engine.tokenizer)
 
     # ---- helpers -----------------------------------------------------------------
@@ -530,12 +502,11 @@ class OpenAIServing:
         """Token ids of a prompt, or of a conversation rendered as a chat
         request would render it (then added special tokens default to off)."""
         self._model_name(req.model)
-        processor = self.engine.processor
         if isinstance(req, TokenizeChatRequest):
             text = await self._render_chat(req)
         else:
             text = req.prompt
-        tokens = processor.tokenize(text, add_special_tokens=req.add_special_tokens)
+        tokens = self.engine.tokenize(text, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
     async def _render_chat(
@@ -546,7 +517,7 @@ class OpenAIServing:
         the sandbox."""
         options = {**req.template_options(), "tools": tools}
         if req.chat_template is None:
-            return self.engine.processor.render_chat(req.template_messages(), **options)
+            return self.engine.render_chat(req.template_messages(), **options)
         if self._client_templates is None:
             raise InvalidParameterError(
                 "chat_template",
@@ -561,7 +532,7 @@ class OpenAIServing:
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self._model_name(req.model)
-        vocab_size = self.engine.processor.vocab_size
+        vocab_size = self.engine.vocab_size
         for token_id in req.tokens:
             if not 0 <= token_id < vocab_size:
                 raise InvalidParameterError(

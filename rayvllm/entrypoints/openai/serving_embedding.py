@@ -13,8 +13,8 @@ from rayvllm.entrypoints.openai.embedding_protocol import (
     encode_embedding,
 )
 from rayvllm.entrypoints.openai.serving import OpenAIServing, _completion_prompts, _named_for, _response_id
-from rayvllm.errors import RequestFailedError
-from rayvllm.outputs import PoolingRequestOutput
+from rayvllm.messages.errors import RequestFailedError
+from rayvllm.messages.outputs import PoolingRequestOutput
 
 __all__ = ["OpenAIServingEmbedding"]
 
@@ -28,7 +28,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         `f"{request_id}-{index}"`."""
         model = self._model_name(req.model)
         params = req.to_pooling_params()
-        self.engine.processor.check_runner(params)
+        self.engine.check_runner(params)
         with _named_for(req):  # type: ignore[arg-type]
             prompts = _completion_prompts(req.input)
         streams = await self._start(req, prompts, params, request_id)  # type: ignore[arg-type]

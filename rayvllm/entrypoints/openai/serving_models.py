@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rayvllm.entrypoints.openai.protocol import ModelCard, ModelList
-from rayvllm.errors import InvalidParameterError, ModelNotFoundError
-from rayvllm.lora.request import LoRARequest
+from rayvllm.messages.errors import InvalidParameterError, ModelNotFoundError
+from rayvllm.messages.lora_request import LoRARequest
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ class OpenAIServingResponses(OpenAIServing):
             tool_fields = req.tool_fields()
             tools = ChatTools.from_request(tool_fields, self.enable_auto_tool_choice, self.tool_call_parser)
             params = self._with_tool_constraint(req.to_sampling_params(), tools)
-            prompt = self.engine.processor.render_chat(
+            prompt = self.engine.render_chat(
                 req.to_messages(), add_generation_prompt=True, tools=tool_fields.template_tools()
             )
         streams = await self._start(req, [prompt], params, request_id)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from rayvllm.entrypoints.openai.protocol import error_body
-from rayvllm.outputs import RequestOutput
+from rayvllm.messages.outputs import RequestOutput
 
 __all__ = ["SSE_DONE", "EngineStreams", "EventStream", "OutputStream", "sse", "sse_error"]
 

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rayvllm.errors import InvalidParameterError
-from rayvllm.structured_output.params import StructuredOutputsParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 __all__ = ["JsonSchemaResponseFormat", "ResponseFormat", "StructuredOutputRequestFields", "StructuredOutputsRequest"]
 

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
-from rayvllm.errors import InvalidParameterError
+from rayvllm.messages.errors import InvalidParameterError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -114,7 +114,7 @@ class ClientTemplateRenderer:
 def _serve(conn: Connection, tokenizer: "PreTrainedTokenizerBase", memory_bytes: int) -> None:
     """The child: load what rendering needs, cap the address space above
     what that took, then render requests until the pipe closes."""
-    from rayvllm.processor import render_chat
+    from rayvllm.frontend.processor import render_chat
 
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (_address_space_bytes() + memory_bytes, hard))

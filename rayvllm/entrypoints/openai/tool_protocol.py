@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rayvllm.errors import InvalidParameterError
-from rayvllm.structured_output.params import StructuredOutputsParams
+from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "ChatCompletionToolsParam",

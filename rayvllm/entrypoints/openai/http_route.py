@@ -1,0 +1,140 @@
+"""`openai_route`: the one wrapper every HTTP route of the server goes through.
+
+It authorizes the caller, reads the body (bounded) into the route's
+request type, runs the route's own work, and turns what that returns into
+a response; every exception becomes an OpenAI error body with the status
+of the `RayvllmError` raised (`protocol.error_body`), and an overload's
+503 carries `Retry-After`. A route body therefore holds only its own work.
+"""
+
+import hmac
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from rayvllm.entrypoints.openai.protocol import error_body, parse_request
+from rayvllm.messages.errors import (
+    AuthenticationError,
+    EngineOverloadedError,
+    InvalidParameterError,
+    RequestTooLargeError,
+)
+
+__all__ = ["RETRY_AFTER_S", "RouteOwner", "openai_route"]
+
+# Clients told to come back after an overload wait this long (seconds).
+RETRY_AFTER_S = 1
+
+# What a route body may return: a ready response, a pydantic body (sent as
+# JSON), or a stream of server-sent events.
+Reply = Response | BaseModel | AsyncIterator[str]
+RouteBody = Callable[..., Awaitable[Reply]]
+Handler = Callable[[Any, Request], Awaitable[Response]]
+
+
+class RouteOwner(Protocol):
+    """The object whose methods are the routes (a Serve ingress class)."""
+
+    api_key: str | None
+    max_request_bytes: int | None
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_body(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, EngineOverloadedError) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def authorize(request: Request, api_key: str | None) -> None:
+    """With an API key set, a request needs `Authorization: Bearer <key>`."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise AuthenticationError("missing or wrong API key (send 'Authorization: Bearer <key>')")
+
+
+async def read_json(request: Request, max_bytes: int | None) -> dict[str, Any]:
+    """The body as a JSON object, read no further than `max_bytes` (None:
+    no limit): a declared or streamed body over it is a 413 before it is
+    held in memory or parsed."""
+    declared = request.headers.get("content-length", "")
+    if max_bytes is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLargeError(f"the request body has {declared} bytes; this server takes at most {max_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if max_bytes is not None and len(body) > max_bytes:
+            raise RequestTooLargeError(f"the request body is over {max_bytes} bytes, the most this server takes")
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise InvalidParameterError("body", "JSON nested too deeply") from None
+    except ValueError as e:  # bad JSON or UTF-8, an integer of over 4,300 digits
+        raise InvalidParameterError("body", f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidParameterError("body", "must be a JSON object")
+    return data
+
+
+def _reply(result: Reply) -> Response:
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump(mode="json"))
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def openai_route(
+    body: type[BaseModel] | Callable[[dict[str, Any]], Any] | None = None,
+    *,
+    public: bool = False,
+    before: Callable[[Any], Awaitable[object]] | None = None,
+) -> Callable[[RouteBody], Handler]:
+    """Wrap `route(self[, body])` into a FastAPI method `(self, request)`.
+
+    In order: authorization with the owner's `api_key` (skipped for a
+    `public` route: /health and /metrics, which probes and scrapers reach);
+    `before(self)`, awaited before the body is read (a route the server
+    cannot serve answers so without reading it); the body, at most
+    `max_request_bytes` of a JSON object, validated into `body` when it is
+    a pydantic model (a 400 names the field) or handed to it when it is a
+    function (`dict` takes the object as it is; None: no body is read);
+    then the route itself.
+    """
+
+    def wrap(route: RouteBody) -> Handler:
+        # FastAPI reads these annotations when the route is declared, before
+        # Serve makes `self` an injected dependency: a class there would be
+        # taken for a parameter's type, so `self` is Any.
+        async def handler(self: Any, request: Request) -> Response:
+            owner: RouteOwner = self
+            try:
+                if not public:
+                    authorize(request, owner.api_key)
+                if before is not None:
+                    await before(self)
+                if body is None:
+                    return _reply(await route(self))
+                data = await read_json(request, owner.max_request_bytes)
+                if isinstance(body, type) and issubclass(body, BaseModel):
+                    parsed = parse_request(body, data)
+                else:
+                    parsed = body(data)
+                return _reply(await route(self, parsed))
+            except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
+                return error_response(e)
+
+        # Not functools.wraps: FastAPI reads the signature through
+        # `__wrapped__`, and this handler's is (self, request). Serve's
+        # ingress finds a class's routes by their qualified name.
+        handler.__name__ = route.__name__
+        handler.__qualname__ = route.__qualname__
+        handler.__doc__ = route.__doc__
+        return handler
+
+    return wrap

@@ -1,0 +1,91 @@
+"""The OpenAI server's own options (beside the engine's `EngineArgs`): one
+model that `serve run ... key=value`, `serve_config.yaml`, `rayvllm
+serve --flag`, the Serve builder and the `LLMServer` replica all read, so
+each default and its help live here only. Ray-free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rayvllm.config.engine_args import validate_args
+from rayvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+# Unfinished requests a server admits per sequence slot of its engine
+# (max_num_seqs) unless `max_pending_requests` says otherwise: enough queue
+# to keep every slot busy, bounded so that a flood gets 503s, not memory.
+PENDING_PER_SEQ = 4
+# Prompt tokens admitted but not yet prefilled, unless
+# `max_pending_prompt_tokens` says otherwise: this many full prefill steps
+# (max_num_batched_tokens each), and room for a few max_model_len prompts.
+# Beyond it a queue is minutes of prefill that every new request would wait
+# behind: a 503 that a client or router can act on is kinder.
+PENDING_PREFILL_STEPS = 32
+PENDING_MAX_LEN_PROMPTS = 4
+
+
+def default_max_pending_prompt_tokens(max_num_batched_tokens: int, max_model_len: int) -> int:
+    return max(PENDING_PREFILL_STEPS * max_num_batched_tokens, PENDING_MAX_LEN_PROMPTS * max_model_len)
+
+
+class ServerArgs(BaseModel):
+    """Options of the server itself (not of the engine); `rayvllm serve`
+    takes each as a `--flag`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on the API routes")
+    max_pending_requests: int | None = Field(
+        None, description=f"answer 503 beyond this many unfinished requests; unset: {PENDING_PER_SEQ} x max_num_seqs"
+    )
+    max_pending_prompt_tokens: int | None = Field(
+        None, description="answer 503 when a request would queue more than this many prompt tokens not yet "
+        f"prefilled; unset: max({PENDING_PREFILL_STEPS} x max_num_batched_tokens, "
+        f"{PENDING_MAX_LEN_PROMPTS} x max_model_len)",
+    )
+    # Each access-log line costs the replica and Ray's log monitor CPU that a
+    # small machine's forward needs (vLLM: --disable-uvicorn-access-log).
+    disable_access_log: bool = Field(False, description="no per-request access log line from the replica")
+    # A max_model_len prompt of token ids is well under 1 MiB of JSON.
+    max_request_bytes: int | None = Field(
+        16 << 20, description="answer 413 to request bodies over this many bytes (None: no limit)"
+    )
+    # Serve stops routing to a replica that shuts down, waits for its
+    # requests up to this long, then stops it (its graceful_shutdown_timeout_s).
+    drain_timeout_s: float = Field(30.0, description="on shutdown, how long in-flight requests get to finish")
+    step_timeout_s: float | None = Field(
+        None, description="an engine step running longer is taken for a hang: the engine is restarted, "
+        "its requests resumed; unset: AsyncLLM's STEP_TIMEOUT_S",
+    )
+    # A template is code, run (sandboxed) on the replica.
+    trust_request_chat_template: bool = Field(
+        False, description="accept a chat_template in requests (vLLM's name)"
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description='let the model call tools on its own (tool_choice "auto"); needs tool_call_parser'
+    )
+    tool_call_parser: str | None = Field(
+        None, description=f"how tool calls are found in the model's text: {', '.join(TOOL_PARSERS)} (vLLM's names)"
+    )
+
+    lora_modules: list[str] | str | None = Field(
+        None, description="LoRA adapters to serve as models, name=path each (vLLM's form; needs enable_lora)"
+    )
+    # vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING; here an option (clients name server paths).
+    allow_runtime_lora_updating: bool = Field(
+        False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
+    )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ServerArgs":
+        """From a plain dict whose values may be text, converted by each
+        field's type; errors name the offending keys."""
+        return validate_args(cls, data)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool_call_parser {value!r}; expected one of {', '.join(TOOL_PARSERS)}")
+        return value

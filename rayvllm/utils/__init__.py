@@ -1,0 +1,2 @@
+"""Helpers with no engine knowledge: where files are cached, tokenizer
+loading, and the seeded random checkpoints behind the demo model and tests."""
