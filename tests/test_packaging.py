@@ -3,15 +3,11 @@ them one by one, so a folder left out is missing from the wheel."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
 import tomllib
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
@@ -49,17 +45,6 @@ print(len(names))
 """
 
 
-def _has_build_backend() -> bool:
-    """setuptools >= 68 (pyproject's build requirement) with a wheel builder
-    (built in from 70.1, the `wheel` package before): offline, no isolation."""
-    try:
-        major, minor = (int(p) for p in version("setuptools").split(".")[:2])
-    except PackageNotFoundError:
-        return False
-    return (major, minor) >= (70, 1) or (major >= 68 and importlib.util.find_spec("wheel") is not None)
-
-
-@pytest.mark.skipif(not _has_build_backend(), reason="this interpreter lacks setuptools>=68 with a wheel builder")
 def test_a_plain_install_imports_every_module(tmp_path: Path) -> None:
     # Built from a copy of the sources: a build/ left in the checkout would
     # carry modules deleted since into the wheel, and the checkout stays clean.
