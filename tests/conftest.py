@@ -8,11 +8,15 @@ build into pytest's tmp dirs, never into the repository.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+# Counts the Ray clusters and Serve apps a session starts (printed with the summary).
+pytest_plugins = ["session_counts"]
 
 if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter. `@triton.jit`
@@ -20,8 +24,170 @@ if not torch.cuda.is_available():
     # imported, and conftest is imported before any test module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from serve_harness import SharedServe, app_name  # noqa: E402  (after TRITON_INTERPRET: it imports rayvllm)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+# The test session's one local Ray cluster (see `ray_local`). More logical
+# CPUs than cores: every engine rank asks for one, and their torch threads
+# are sized to the real cores. The dashboard serves the state API
+# (ray.util.state) some tests read. The driver joins Serve's namespace (as
+# `serve run` does), where a test finds Serve's controller; engine actors
+# name their own namespaces.
+RAY_LOCAL_INIT: dict[str, object] = dict(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
+
+
+class SharedRay:
+    """The local Ray cluster that the modules using `ray_local` share,
+    started on first use. Invariant: while `up`, this process is connected
+    to it and to no other cluster; `close` shuts it (and Serve, if a test
+    started it there) down, after which the next `connect` starts a fresh one."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.serve_up = False
+
+    def connect(self) -> None:
+        import ray
+        from ray.serve._private.constants import SERVE_NAMESPACE
+
+        if self.up:
+            return
+        assert not ray.is_initialized(), "a test left its own Ray connection open"
+        ray.init(**RAY_LOCAL_INIT, namespace=SERVE_NAMESPACE)
+        self.up = True
+
+    def start_serve(self) -> None:
+        """Serve on this cluster, its proxy on a free port (Serve's default,
+        8000, may belong to anyone on the machine)."""
+        from ray import serve
+
+        from rayvllm.worker.worker import free_port
+
+        self.connect()
+        if not self.serve_up:
+            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+            self.serve_up = True
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        if self.serve_up:
+            serve.shutdown()  # also forgets this process's handle on the controller
+            self.serve_up = False
+        if self.up:
+            ray.shutdown()
+            self.up = False
+
+
+_SHARED_RAY = SharedRay()
+_SHARED_SERVE = SharedServe()
+# Modules (by path) that use each shared thing, by its fixture's name; and
+# the shared server's apps: app name -> the module that defines its args.
+_USERS = pytest.StashKey[dict[str, set[str]]]()
+_SERVE_APPS = pytest.StashKey[dict[str, pytest.Module]]()
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _uses(item: pytest.Item, fixture: str) -> bool:
+    """`item` asks for `fixture` as defined below (a module may define its own of that name)."""
+    defs = item._fixtureinfo.name2fixturedefs.get(fixture, ())  # type: ignore[attr-defined]
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
+
+_SHARED = {"ray_local": _SHARED_RAY, "serve_apps": _SHARED_SERVE}
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that use the shared cluster run first, then those that
+    use the shared server, each group one module after another, so each
+    starts once; the rest keep their order after them. Whole modules move,
+    so module-scoped fixtures still set up once."""
+    users = {name: {_module(item) for item in items if _uses(item, name)} for name in _SHARED}
+    items.sort(key=lambda item: [_module(item) not in users[name] for name in _SHARED])
+    config.stash[_USERS] = users
+    config.stash[_SERVE_APPS] = {
+        app_name(str(item.path)): item.module for item in items
+        if _uses(item, "serve_apps") and isinstance(item, pytest.Function)
+    }
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last module that uses a shared cluster or server (its
+    fixtures torn down), stop it: the tests after it start their own."""
+    yield
+    for name, shared in _SHARED.items():
+        if nextitem is None or _module(nextitem) not in item.config.stash[_USERS][name]:
+            shared.close()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for shared in _SHARED.values():
+        shared.close()  # after an interrupted run too
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> None:
+    """This process connected to the session's shared local Ray cluster
+    (`RAY_LOCAL_INIT`). A test that uses it stops every actor, placement
+    group and Serve app it starts, and kills only what it started (its own
+    engine's processes); a test that needs a cluster of its own (other
+    `ray.init` options, a multi-node `Cluster`, job-wide hooks) uses
+    `ray_private` instead."""
+    _SHARED_RAY.connect()
+
+
+@pytest.fixture(scope="module")
+def serve_local(ray_local: None) -> None:
+    """Serve running on the shared cluster (proxy on a free port). A test
+    deletes the apps it runs (`serve.delete`); Serve itself stays up for the
+    next module."""
+    _SHARED_RAY.start_serve()
+
+
+@pytest.fixture(scope="module")
+def serve_apps(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The session's shared `serve run` is up, hosting one app per module
+    of this session that uses this fixture: the app the module's
+    `serve_app_args(request)` describes, answering at `app_url(__file__)`
+    (Serve's proxy, on a free port). The apps are independent engines;
+    a test that needs a server of its own (one it kills, Serve's direct
+    ingress, the README's commands) starts one (serve_harness.serve_run)."""
+    if _SHARED_SERVE.proc is None:
+        modules = request.config.stash[_SERVE_APPS]
+        apps = {name: module.serve_app_args(request) for name, module in modules.items()}
+        _SHARED_SERVE.start(apps, tmp_path_factory.mktemp("shared-serve"))
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Four PEFT adapters of `tiny_model_dir` (a, b, c, wide: ranks 8, 4, 8,
+    32 over different modules), built once: the shared server loads some of
+    them at its start. Treat them as read-only."""
+    from lora_oracle import build_adapter
+
+    root = tmp_path_factory.mktemp("serve-adapters")
+    return {
+        "a": build_adapter(tiny_model_dir, root / "a", seed=21, rank=8),
+        "b": build_adapter(tiny_model_dir, root / "b", seed=22, rank=4, targets=("q_proj", "v_proj")),
+        "c": build_adapter(tiny_model_dir, root / "c", seed=23, rank=8, targets=("o_proj", "down_proj")),
+        "wide": build_adapter(tiny_model_dir, root / "wide", seed=24, rank=32),
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_private() -> None:
+    """No shared cluster connected: the module starts (`ray.init(address="local", ...)`
+    or a `ray.cluster_utils.Cluster`) and shuts down a cluster of its own."""
+    _SHARED_RAY.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,37 +1,27 @@
 """Start and stop a real `serve run` (or `rayvllm serve`) in a subprocess
-for the integration tests. `serve run` of an import path has no port
-option: the app answers on :8000 (the replica itself, Serve's proxy moved
-to :8001, see serve_builder.start_fast_serve_run; a config file puts the
-proxy there), so the tests of the README's own commands use those ports,
-waiting while a previous server's connections still hold them. Every other
-port is picked free per test run: with `DIRECT_ENV` the replica answers
-straight on `DIRECT_PORT`, and `rayvllm serve` tests pass free
-`--port`/`--proxy-port`."""
+for the integration tests, every one on free ports: `serve run` of an
+import path answers on `SERVE_RUN_PORT_ENV`'s port (the replica itself,
+Serve's proxy one above, see serve_builder.start_fast_serve_run), a config
+file on the port written in it (`serve_run_config` writes a copy), and
+`rayvllm serve` tests pass `--port`/`--proxy-port`. The HTTP tests that
+need no server of their own share one (`SharedServe`)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import requests
+import yaml
 
-from rayvllm.entrypoints.serve_builder import SERVE_RUN_PORT, direct_ingress_env, port_listening, wait_for_port
+from rayvllm.entrypoints.serve_builder import SERVE_RUN_PORT_ENV, port_free, port_listening, wait_for_port
 from rayvllm.worker.worker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-README_PORTS = (SERVE_RUN_PORT, SERVE_RUN_PORT + 1)
-BASE_URL = f"http://127.0.0.1:{SERVE_RUN_PORT}"
-
-
-DIRECT_PORT = free_port()
-DIRECT_URL = f"http://127.0.0.1:{DIRECT_PORT}"
-DIRECT_ENV = direct_ingress_env(DIRECT_PORT)
 START_TIMEOUT_S = 240.0
 
 
@@ -39,15 +29,18 @@ class ServeProcess:
     """A server process in its own process group. Invariant: after `stop`
     the group is gone, and with it the local Ray cluster `serve run` began."""
 
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 base_url: str = BASE_URL, ports: tuple[int, ...] = README_PORTS) -> None:
+    def __init__(self, argv: list[str], log_path: Path, base_url: str, ports: tuple[int, ...],
+                 env: dict[str, str] | None = None) -> None:
         self.base_url = base_url
         self.ports = ports
         for port in ports:
             # A replica binds its port without SO_REUSEADDR: a previous
             # server's lingering connections would fail this one's start.
             assert wait_for_port(port), f"port {port} is taken by a live server"
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
+        # A local cluster of its own: without RAY_ADDRESS, `ray.init` joins
+        # the cluster named in /tmp/ray/ray_current_cluster, which any
+        # `ray start` or `ray.cluster_utils.Cluster` on the machine writes.
+        env = os.environ | {"RAY_ADDRESS": "local"} | (env or {})
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -58,16 +51,18 @@ class ServeProcess:
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
 
-    def wait_ready(self, headers: dict[str, str] | None = None) -> None:
-        """Until /health answers 200 and the model is listed; fail with the
-        server's log if it exits or the deadline passes."""
+    def wait_ready(self, headers: dict[str, str] | None = None, base_url: str | None = None) -> None:
+        """Until /health answers 200 and the model is listed (at `base_url`,
+        by default the server's own); fail with the server's log if it
+        exits or the deadline passes."""
+        base_url = base_url or self.base_url
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                health = requests.get(f"{self.base_url}/health", timeout=5)
-                models = requests.get(f"{self.base_url}/v1/models", headers=headers, timeout=5)
+                health = requests.get(f"{base_url}/health", timeout=5)
+                models = requests.get(f"{base_url}/v1/models", headers=headers, timeout=5)
                 if health.status_code == 200 and models.status_code == 200:
                     return
             except requests.RequestException:
@@ -99,6 +94,25 @@ class ServeProcess:
             if cmdline_part in cmdline:
                 found.append(pid)
         return found
+
+    def join_env(self) -> dict[str, str]:
+        """What a script needs in its environment to join the Ray cluster this
+        server started (`address="auto"` could find another cluster on the
+        machine): RAY_ADDRESS, read from the cluster's processes, and their
+        RAY_AUTH_MODE where set (a cluster `ray.init` starts turns token
+        authentication on, and joining by address does not follow it)."""
+        for pid in self.descendant_pids("--gcs-address="):
+            proc = Path("/proc") / str(pid)
+            try:
+                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                env = dict(v.split("=", 1) for v in (proc / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in v)
+            except OSError:
+                continue  # ended while we looked
+            address = next((a.split("=", 1)[1] for a in args if a.startswith("--gcs-address=")), None)
+            if address is not None:
+                auth = {"RAY_AUTH_MODE": env["RAY_AUTH_MODE"]} if "RAY_AUTH_MODE" in env else {}
+                return {"RAY_ADDRESS": address, **auth}
+        raise RuntimeError(f"no process of the server names its cluster:\n{self.log_tail()}")
 
     def group_pids(self) -> list[int]:
         """Live processes of this server's process group (its Ray cluster's
@@ -170,22 +184,93 @@ class ServeProcess:
                 time.sleep(0.5)  # waiting for another process's socket to close
 
 
-def serve_run(args: list[str], log_path: Path, direct: bool = False) -> ServeProcess:
-    """`serve run`; `direct`: with Serve's direct ingress, waiting on the replica's own port."""
-    serve = str(Path(sys.executable).with_name("serve"))
-    if direct:
-        return ServeProcess([serve, "run", *args], log_path, env=DIRECT_ENV, base_url=DIRECT_URL,
-                            ports=(SERVE_RUN_PORT, DIRECT_PORT))
-    return ServeProcess([serve, "run", *args], log_path)
+def _serve() -> str:
+    return str(Path(sys.executable).with_name("serve"))
 
 
-@contextlib.contextmanager
-def served(args: list[str], log_path: Path) -> Iterator[ServeProcess]:
-    """`serve run` with direct ingress (answering `DIRECT_URL`), ready on
-    entry and stopped on exit."""
-    proc = serve_run(args, log_path, direct=True)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+def free_port_pair() -> int:
+    """A free port whose successor is free too: for `serve run <import path>`."""
+    while not port_free((port := free_port()) + 1):
+        pass  # the proxy's port is taken: pick another pair
+    return port
+
+
+def serve_run(args: list[str], log_path: Path, port: int | None = None) -> ServeProcess:
+    """`serve run <import path> [key=value ...]` as the README gives it, on
+    `port` (by default a free one, see `free_port_pair`): the replica
+    answers `base_url` itself (Serve's direct ingress) and Serve's proxy
+    listens one port above (`ports[1]`)."""
+    port = port or free_port_pair()
+    return ServeProcess([_serve(), "run", *args], log_path, base_url=f"http://127.0.0.1:{port}",
+                        ports=(port, port + 1), env={SERVE_RUN_PORT_ENV: str(port)})
+
+
+def serve_run_config(config: Path, log_path: Path) -> ServeProcess:
+    """`serve run <config file>`: a copy of `config` (next to `log_path`)
+    whose proxy listens on a free port instead of the one written in it."""
+    port = free_port()
+    settings = yaml.safe_load(config.read_text())
+    settings["http_options"]["port"] = port
+    copy = log_path.with_name(config.name)
+    copy.write_text(yaml.safe_dump(settings))
+    return ServeProcess([_serve(), "run", str(copy)], log_path, base_url=f"http://127.0.0.1:{port}", ports=(port,))
+
+
+# The shared server: one `serve run` of a config file hosting the apps of
+# the HTTP tests that need no server of their own, each app under its own
+# route prefix behind Serve's proxy on `SHARED_PORT` (see `SharedServe`).
+SHARED_PORT = free_port()
+SHARED_CPUS_PER_WORKER = 0.1
+
+
+def app_name(module_file: str) -> str:
+    """The shared server's app for the test module at `module_file` (and its route prefix)."""
+    return Path(module_file).stem.removeprefix("test_")
+
+
+def app_url(module_file: str) -> str:
+    """Where the shared server answers the test module at `module_file`:
+    pass the module's `__file__`; the module defines
+    `serve_app_args(request) -> dict`, the `build_app` arguments of its app."""
+    return f"http://127.0.0.1:{SHARED_PORT}/{app_name(module_file)}"
+
+
+class SharedServe:
+    """The one `serve run <config file>` that the modules using the
+    `serve_apps` fixture share, started on first use with every app of
+    `apps`. Invariant: while `proc` is set, each app answers at
+    `app_url(name)`; `close` stops the server and its cluster."""
+
+    def __init__(self) -> None:
+        self.proc: ServeProcess | None = None
+
+    def start(self, apps: dict[str, dict[str, object]], workdir: Path) -> None:
+        if self.proc is not None:
+            return
+        config = {
+            "proxy_location": "HeadOnly",
+            "http_options": {"host": "127.0.0.1", "port": SHARED_PORT},
+            "applications": [
+                {"name": name, "route_prefix": f"/{name}", "import_path": "serve_app:build_app",
+                 # The cluster has the machine's cores as logical CPUs (2 in CI):
+                 # a fraction of one per engine fits every app.
+                 "args": {"num_cpus_per_worker": SHARED_CPUS_PER_WORKER, **args}}
+                for name, args in apps.items()
+            ],
+        }
+        path = workdir / "shared_serve.yaml"
+        path.write_text(yaml.safe_dump(config))
+        base = f"http://127.0.0.1:{SHARED_PORT}"
+        proc = ServeProcess([_serve(), "run", str(path)], workdir / "serve.log", base_url=base, ports=(SHARED_PORT,))
+        try:
+            for name in apps:
+                proc.wait_ready(base_url=f"{base}/{name}")
+        except BaseException:
+            proc.stop()
+            raise
+        self.proc = proc
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None

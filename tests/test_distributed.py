@@ -6,7 +6,6 @@ behind when it shuts down."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,15 +42,6 @@ ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, num
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dist-models")
     return {name: build_random_model(root / name, spec) for name, spec in SPECS.items()}
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    # More logical CPUs than cores: every rank asks for one; the workers size
-    # their torch threads to the real cores.
-    ray.init(num_cpus=8, include_dashboard=True, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _prompts() -> list[list[int]]:
@@ -163,17 +153,19 @@ def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path],
         llm.shutdown()
 
 
-def _live_groups() -> list[object]:
+def _live_groups() -> dict[str, str]:
+    """Placement group id -> name, of groups not removed."""
     address = ray.get_runtime_context().gcs_address  # this test's cluster, even with another on the machine
-    return [p for p in list_placement_groups(address=address) if p.state != "REMOVED"]
+    return {p.placement_group_id: p.name for p in list_placement_groups(address=address) if p.state != "REMOVED"}
 
 
-def _alive_rayvllm_actors() -> list[str]:
-    return [
-        a.class_name
+def _alive_rayvllm_actors() -> dict[str, str]:
+    """Actor id -> class name, of engine actors not dead."""
+    return {
+        a.actor_id: a.class_name
         for a in list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "!=", "DEAD")])
         if a.class_name in ("SchedulerActor", "WorkerActor")
-    ]
+    }
 
 
 @pytest.mark.parametrize(
@@ -189,16 +181,19 @@ def _alive_rayvllm_actors() -> list[str]:
 def test_shutdown_leaves_nothing_behind(
     ray_local: None, models: dict[str, Path], parallel: dict[str, object], actors: list[str], group: str
 ) -> None:
+    # The cluster is shared: what other tests left dying is not this engine's.
+    actors_before, groups_before = _alive_rayvllm_actors(), _live_groups()
     llm = LLM(str(models["llama-gqa"]), **parallel, **ENGINE)
-    assert sorted(_alive_rayvllm_actors()) == actors
-    pgs = _live_groups()
-    assert len(pgs) == 1 and pgs[0].name.startswith(group)
+    ours = {k: v for k, v in _alive_rayvllm_actors().items() if k not in actors_before}
+    assert sorted(ours.values()) == actors
+    pgs = {k: v for k, v in _live_groups().items() if k not in groups_before}
+    assert len(pgs) == 1 and next(iter(pgs.values())).startswith(group)
     llm.shutdown()
     # The actors (and with their processes, the gloo process groups) are
     # gone; a killed actor's state turns DEAD asynchronously, so poll.
     for _ in range(300):
-        if not _alive_rayvllm_actors():
+        if not ours.keys() & _alive_rayvllm_actors().keys():
             break
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
-    assert _alive_rayvllm_actors() == []
-    assert _live_groups() == []
+    assert not ours.keys() & _alive_rayvllm_actors().keys()
+    assert not pgs.keys() & _live_groups().keys()

@@ -233,18 +233,13 @@ def test_pooling_knobs_resolve_as_vllm() -> None:
     assert default is not None and (default.pooling_type, default.normalize) == ("LAST", True)
 
 
-def test_ray_path_tensor_parallel(models: dict[str, Path]) -> None:
+def test_ray_path_tensor_parallel(ray_local: None, models: dict[str, Path]) -> None:
     """Two TP ranks on Ray: only the driver pools, the vectors are exact."""
-    ray = pytest.importorskip("ray")
     model_dir = models["qwen3"]
     prompts = _prompts()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    llm = LLM(str(model_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"},
+              tensor_parallel_size=2, **ENGINE)
     try:
-        llm = LLM(str(model_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"},
-                  tensor_parallel_size=2, **ENGINE)
-        try:
-            _check(model_dir, llm.embed(prompts, use_tqdm=False), prompts, "MEAN", normalize=True)
-        finally:
-            llm.shutdown()
+        _check(model_dir, llm.embed(prompts, use_tqdm=False), prompts, "MEAN", normalize=True)
     finally:
-        ray.shutdown()
+        llm.shutdown()

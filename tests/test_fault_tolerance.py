@@ -48,13 +48,13 @@ def die_in_start_flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local(hang_flag: Path, die_in_start_flag: Path) -> Iterator[None]:
+def ray_local(hang_flag: Path, die_in_start_flag: Path, ray_private: None) -> Iterator[None]:
     # Every Ray worker process gets the faults of fault_hooks.py (each only
     # triggered by a request with its own seed).
     tests_dir = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, HANG_FLAG_ENV: str(hang_flag), DIE_IN_START_FLAG_ENV: str(die_in_start_flag)}
-    ray.init(num_cpus=4, log_to_driver=False, runtime_env={"worker_process_setup_hook": "fault_hooks.install", "env_vars": env})
+    ray.init(address="local", num_cpus=4, log_to_driver=False, runtime_env={"worker_process_setup_hook": "fault_hooks.install", "env_vars": env})
     yield
     ray.shutdown()
 

@@ -33,13 +33,6 @@ ENGINE = dict(
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture()
 def fingerprint(ray_local: None, tiny_model_dir: Path) -> Iterator[str]:
     """The tiny model's tier; its (detached) directory is killed after the test."""

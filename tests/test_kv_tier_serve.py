@@ -16,7 +16,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ray import serve  # noqa: E402
-from ray.serve._private.constants import SERVE_NAMESPACE  # noqa: E402
 
 from rayvllm import SamplingParams  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
@@ -38,19 +37,18 @@ def _args(model: Path) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[None]:
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=SERVE_NAMESPACE)
+def cluster(serve_local: None, tiny_model_dir: Path) -> Iterator[None]:
     oc = EngineArgs(**_args(tiny_model_dir)).create_engine_config().kv_offload_config
     assert oc is not None
     try:
         yield
     finally:
-        serve.shutdown()
+        for app in ("first", "second"):
+            serve.delete(app)  # nothing when the app is not there
         try:
             ray.kill(ray.get_actor(directory_name(oc.fingerprint), namespace=KV_TIER_NAMESPACE))
         except ValueError:
             pass  # never created
-        ray.shutdown()
 
 
 def _deploy(name: str, model: Path) -> serve.handle.DeploymentHandle:

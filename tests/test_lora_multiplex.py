@@ -35,8 +35,9 @@ def adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="module")
-def two_replicas(tiny_model_dir: Path, adapter: Path) -> Iterator[serve.handle.DeploymentHandle]:
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=SERVE_NAMESPACE)
+def two_replicas(
+    serve_local: None, tiny_model_dir: Path, adapter: Path
+) -> Iterator[serve.handle.DeploymentHandle]:
     try:
         args = dict(model=str(tiny_model_dir), enable_lora=True, max_loras=1, max_lora_rank=16, max_num_seqs=4,
                     max_model_len=256, kv_cache_memory_bytes=8 << 20)
@@ -45,8 +46,7 @@ def two_replicas(tiny_model_dir: Path, adapter: Path) -> Iterator[serve.handle.D
         )
         yield serve.run(app, name="mux", route_prefix=None)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete("mux")
 
 
 def _replicas_serving(model_id: str) -> list[str]:

@@ -7,7 +7,6 @@ ranks, each with its own slots."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,6 @@ from rayvllm import LLM, LoRARequest, SamplingParams  # noqa: E402
 
 from hf_oracle import NUM_NEW  # noqa: E402
 from lora_oracle import build_adapter, peft_greedy  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

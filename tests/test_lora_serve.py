@@ -5,44 +5,31 @@ a 404."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
-from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, served
+from serve_harness import app_url
 
 from hf_oracle import NUM_NEW
-from lora_oracle import build_adapter, peft_greedy
+from lora_oracle import peft_greedy
 
 MODEL = "tiny"
 PROMPT = [7, 301, 1999, 42, 3000, 18, 77]
+BASE_URL = app_url(__file__)
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("serve-adapters")
+def serve_app_args(request: pytest.FixtureRequest) -> dict[str, object]:
+    """This module's app on the shared server (conftest.serve_apps): adapters
+    a and b at start, c and wide loadable at run time."""
+    adapters = request.getfixturevalue("lora_adapters")
     return {
-        "a": build_adapter(tiny_model_dir, root / "a", seed=21, rank=8),
-        "b": build_adapter(tiny_model_dir, root / "b", seed=22, rank=4, targets=("q_proj", "v_proj")),
-        "c": build_adapter(tiny_model_dir, root / "c", seed=23, rank=8, targets=("o_proj", "down_proj")),
-        "wide": build_adapter(tiny_model_dir, root / "wide", seed=24, rank=32),
+        "model": str(request.getfixturevalue("tiny_model_dir")), "served_model_name": MODEL, "enable_lora": True,
+        "max_loras": 2, "max_lora_rank": 16, "lora_modules": f"a={adapters['a']} b={adapters['b']}",
+        "allow_runtime_lora_updating": True, "max_num_seqs": 8, "max_model_len": 512,
+        "kv_cache_memory_bytes": 16 << 20,
     }
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServeProcess]:
-    with served(
-        ["serve_app:build_app", f"model={tiny_model_dir}", f"served_model_name={MODEL}", "enable_lora=true",
-         "max_loras=2", "max_lora_rank=16", f"lora_modules=a={adapters['a']} b={adapters['b']}",
-         "allow_runtime_lora_updating=true", "max_num_seqs=8", "max_model_len=512",
-         f"kv_cache_memory_bytes={16 << 20}"],
-        tmp_path_factory.mktemp("serve-lora") / "serve.log",
-    ) as proc:
-        yield proc
 
 
 def _complete(model: str, headers: dict[str, str] | None = None) -> requests.Response:
@@ -57,7 +44,7 @@ def _expected_text(model_dir: Path, adapter: Path | None, tokenizer) -> str:
     return tokenizer.decode(peft_greedy(model_dir, adapter, PROMPT), skip_special_tokens=True)
 
 
-def test_models_lists_adapters_with_their_parent(server: ServeProcess) -> None:
+def test_models_lists_adapters_with_their_parent(serve_apps: None) -> None:
     cards = {c["id"]: c for c in requests.get(f"{BASE_URL}/v1/models", timeout=30).json()["data"]}
     assert set(cards) == {MODEL, "a", "b"}
     assert cards["a"]["parent"] == cards["b"]["parent"] == MODEL
@@ -65,10 +52,10 @@ def test_models_lists_adapters_with_their_parent(server: ServeProcess) -> None:
 
 
 def test_model_name_picks_the_adapter(
-    server: ServeProcess, tiny_model_dir: Path, adapters: dict[str, Path], tiny_tokenizer
+    serve_apps: None, tiny_model_dir: Path, lora_adapters: dict[str, Path], tiny_tokenizer
 ) -> None:
     texts = {}
-    for model, adapter in ((MODEL, None), ("a", adapters["a"]), ("b", adapters["b"])):
+    for model, adapter in ((MODEL, None), ("a", lora_adapters["a"]), ("b", lora_adapters["b"])):
         resp = _complete(model)
         assert resp.status_code == 200, resp.text
         assert resp.json()["model"] == model
@@ -82,19 +69,19 @@ def test_model_name_picks_the_adapter(
 
 
 def test_adapters_load_and_unload_at_run_time(
-    server: ServeProcess, tiny_model_dir: Path, adapters: dict[str, Path], tiny_tokenizer
+    serve_apps: None, tiny_model_dir: Path, lora_adapters: dict[str, Path], tiny_tokenizer
 ) -> None:
     load = f"{BASE_URL}/v1/load_lora_adapter"
-    too_wide = requests.post(load, json={"lora_name": "wide", "lora_path": str(adapters["wide"])}, timeout=30)
+    too_wide = requests.post(load, json={"lora_name": "wide", "lora_path": str(lora_adapters["wide"])}, timeout=30)
     assert too_wide.status_code == 400 and "max_lora_rank=16" in too_wide.json()["error"]["message"]
     missing = requests.post(load, json={"lora_name": "gone", "lora_path": "/nonexistent"}, timeout=30)
     assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
-    taken = requests.post(load, json={"lora_name": MODEL, "lora_path": str(adapters["c"])}, timeout=30)
+    taken = requests.post(load, json={"lora_name": MODEL, "lora_path": str(lora_adapters["c"])}, timeout=30)
     assert taken.status_code == 400
-    assert requests.post(load, json={"lora_name": "c", "lora_path": str(adapters["c"])}, timeout=30).ok
+    assert requests.post(load, json={"lora_name": "c", "lora_path": str(lora_adapters["c"])}, timeout=30).ok
     resp = _complete("c")
     assert resp.status_code == 200
-    assert resp.json()["choices"][0]["text"] == _expected_text(tiny_model_dir, adapters["c"], tiny_tokenizer)
+    assert resp.json()["choices"][0]["text"] == _expected_text(tiny_model_dir, lora_adapters["c"], tiny_tokenizer)
     unload = f"{BASE_URL}/v1/unload_lora_adapter"
     assert requests.post(unload, json={"lora_name": ["c"]}, timeout=30).status_code == 400
     assert requests.post(unload, json={"lora_name": "c"}, timeout=30).ok

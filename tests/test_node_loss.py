@@ -28,7 +28,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[Cluster, list[object]]]:
+def cluster(ray_private: None) -> Iterator[tuple[Cluster, list[object]]]:
     # The head runs no work (as a cloud head node often does); each worker
     # node has room for the engine (world size 1: one actor, one CPU).
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})

@@ -42,7 +42,7 @@ class _NodeReporter:
 
 
 @pytest.fixture(scope="module")
-def worker_nodes() -> Iterator[list[str]]:
+def worker_nodes(ray_private: None) -> Iterator[list[str]]:
     """Node ids of the two 2-CPU worker nodes."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]

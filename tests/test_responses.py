@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,11 @@ from rayvllm.messages.outputs import CompletionOutput, RequestOutput  # noqa: E4
 from rayvllm.messages.sampling_params import SamplingParams  # noqa: E402
 
 from processor_engine import ProcessorEngine  # noqa: E402
-from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, served  # noqa: E402
+from serve_harness import app_url  # noqa: E402
 
 MODEL = "tiny"
 MAX_TOKENS = 12
+BASE_URL = app_url(__file__)
 EVENT_ORDER = [
     "response.created",
     "response.in_progress",
@@ -42,18 +42,14 @@ EVENT_ORDER = [
 CLOSING = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    with served(
-        ["serve_app:build_app", f"model={tiny_model_dir}", f"served_model_name={MODEL}", "max_num_seqs=8",
-         "max_model_len=1024", f"kv_cache_memory_bytes={16 << 20}"],
-        tmp_path_factory.mktemp("serve-responses") / "serve.log",
-    ) as proc:
-        yield proc
+def serve_app_args(request: pytest.FixtureRequest) -> dict[str, object]:
+    """This module's app on the shared server (conftest.serve_apps)."""
+    return {"model": str(request.getfixturevalue("tiny_model_dir")), "served_model_name": MODEL, "max_num_seqs": 8,
+            "max_model_len": 1024, "kv_cache_memory_bytes": 16 << 20}
 
 
 @pytest.fixture(scope="module")
-def client(server: ServeProcess) -> "openai.OpenAI":
+def client(serve_apps: None) -> "openai.OpenAI":
     return openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key="unused", max_retries=0)
 
 
@@ -123,7 +119,7 @@ def test_stream_events_in_order_and_deltas_join(client: "openai.OpenAI") -> None
     assert events[0].response.status == "in_progress"
 
 
-def test_raw_sse_names_each_event(server: ServeProcess) -> None:
+def test_raw_sse_names_each_event(serve_apps: None) -> None:
     body = {"model": MODEL, "input": "hello", "max_output_tokens": 3, "stream": True}
     with requests.post(f"{BASE_URL}/v1/responses", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -149,13 +145,13 @@ def test_raw_sse_names_each_event(server: ServeProcess) -> None:
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ],
 )
-def test_bad_requests_name_the_field(server: ServeProcess, body: dict, param: str) -> None:
+def test_bad_requests_name_the_field(serve_apps: None, body: dict, param: str) -> None:
     r = requests.post(f"{BASE_URL}/v1/responses", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
 
-def test_embeddings_on_a_generating_model_is_a_400(server: ServeProcess) -> None:
+def test_embeddings_on_a_generating_model_is_a_400(serve_apps: None) -> None:
     r = requests.post(f"{BASE_URL}/v1/embeddings", json={"model": MODEL, "input": "hi"}, timeout=60)
     assert r.status_code == 400
     error = r.json()["error"]

@@ -4,7 +4,8 @@ exact usage, errors, API key, metrics, disconnects and the Python handles.
 
 The server runs with Serve's direct ingress and the tests talk to the
 replica's own port: the fast path that `rayvllm serve` uses and the
-benchmarks measure. test_serve_entrypoints covers the proxy path on :8000."""
+benchmarks measure. It is this module's own (not the shared server of
+conftest.serve_apps): its last tests kill its engine and its replica."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ openai = pytest.importorskip("openai")
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.utils.tokenizer import get_tokenizer  # noqa: E402
 
-from serve_harness import DIRECT_URL as BASE_URL, REPO, ServeProcess, serve_run  # noqa: E402
+from serve_harness import REPO, ServeProcess, free_port_pair, serve_run  # noqa: E402
 
 KEY = "sk-rayvllm-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -34,6 +35,8 @@ ENGINE = dict(max_num_seqs=8, max_model_len=2048, kv_cache_memory_bytes=32 << 20
 MAX_PENDING = 6
 MAX_REQUEST_BYTES = 64 << 10
 PROMPT = "The capital of France is"
+PORT = free_port_pair()
+BASE_URL = f"http://127.0.0.1:{PORT}"  # the replica itself (Serve's direct ingress)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
          f"max_pending_requests={MAX_PENDING}", f"max_request_bytes={MAX_REQUEST_BYTES}", *args],
         tmp_path_factory.mktemp("serve") / "serve.log",
-        direct=True,
+        port=PORT,
     )
     try:
         proc.wait_ready(headers=AUTH)
@@ -279,7 +282,7 @@ import asyncio, ray
 from ray import serve
 from rayvllm import SamplingParams
 from rayvllm.entrypoints.serve_builder import LLMHandle
-ray.init(address="auto", log_to_driver=False)
+ray.init(log_to_driver=False)  # RAY_ADDRESS: the server's cluster
 params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 handle = serve.get_app_handle("default")
 a = handle.generate.remote("{prompt}", params).result()
@@ -296,7 +299,7 @@ def test_python_handles(server: ServeProcess, offline: LLM) -> None:
     ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0]
     out = subprocess.run(
         [sys.executable, "-c", HANDLE_SCRIPT.format(prompt=PROMPT)],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        cwd=REPO, env=os.environ | server.join_env(), capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     a_text, a_done, b_text, b_done, streamed, s_done, n = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307
@@ -320,11 +323,12 @@ def test_concurrent_clients_all_match(client: "openai.OpenAI", offline: LLM) -> 
 
 
 def test_killed_engine_costs_no_request(server: ServeProcess, offline: LLM) -> None:
-    """Last in this module: it kills the process that runs the model (at
-    TP=PP=DP=1 the SchedulerActor hosts the one worker) while a stream is
-    in flight. The replica starts a new engine and resumes the request: the
-    stream ends normally with the text of an undisturbed run, the server is
-    healthy afterwards and /metrics counts the restart."""
+    """It kills the process that runs the model (at TP=PP=DP=1 the
+    SchedulerActor hosts the one worker) while a stream is in flight. The
+    replica starts a new engine and resumes the request: the stream ends
+    normally with the text of an undisturbed run, the server is healthy
+    afterwards and /metrics counts the restart."""
+    restarts = _metrics().get("rayvllm:engine_restarts_total", 0.0)
     engines = server.descendant_pids("ray::SchedulerActor")
     assert len(engines) == 1, engines
     assert server.descendant_pids("ray::WorkerActor") == []
@@ -351,12 +355,11 @@ def test_killed_engine_costs_no_request(server: ServeProcess, offline: LLM) -> N
     assert requests.get(f"{BASE_URL}/health", timeout=60).status_code == 200
     successors = server.descendant_pids("ray::SchedulerActor")
     assert len(successors) == 1 and successors != engines
-    assert _metrics()["rayvllm:engine_restarts_total"] == 1.0
+    assert _metrics()["rayvllm:engine_restarts_total"] == restarts + 1
 
 
 def test_killed_replica_is_replaced_and_its_client_gets_an_error(server: ServeProcess) -> None:
-    """After the test above: the LLMServer replica itself is killed while a
-    client streams from it. The client's stream breaks (an error, never a
+    """The LLMServer replica itself is killed while a client streams from it. The client's stream breaks (an error, never a
     hang); Serve starts a new replica, which serves; the old replica's
     engine is gone with it, and only the new one's is left."""
     replicas = server.descendant_pids("ray::ServeReplica")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,28 +17,25 @@ import torch
 
 openai = pytest.importorskip("openai")
 
-from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, served  # noqa: E402
+from serve_harness import app_url  # noqa: E402
 
 from hf_oracle import hf_embedding  # noqa: E402
 
 MODEL = "tiny-embed"
 TEXTS = ["Hello, my name is", "The capital of France is a city of light and water"]
 TOL = 1e-4
+BASE_URL = app_url(__file__)
+
+
+def serve_app_args(request: pytest.FixtureRequest) -> dict[str, object]:
+    """This module's app on the shared server (conftest.serve_apps): a pooling model."""
+    return {"model": str(request.getfixturevalue("tiny_model_dir")), "served_model_name": MODEL, "runner": "pooling",
+            "pooler_config": {"pooling_type": "MEAN"}, "max_num_seqs": 8, "max_model_len": 512,
+            "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 16 << 20}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    with served(
-        ["serve_app:build_app", f"model={tiny_model_dir}", f"served_model_name={MODEL}", "runner=pooling",
-         "pooler_config=" + json.dumps({"pooling_type": "MEAN"}), "max_num_seqs=8", "max_model_len=512",
-         "max_num_batched_tokens=16", f"kv_cache_memory_bytes={16 << 20}"],
-        tmp_path_factory.mktemp("serve-embed") / "serve.log",
-    ) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(server: ServeProcess) -> "openai.OpenAI":
+def client(serve_apps: None) -> "openai.OpenAI":
     return openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key="unused", max_retries=0)
 
 
@@ -89,7 +85,7 @@ def test_token_ids_and_vllm_normalize(client: "openai.OpenAI", tiny_model_dir: P
         ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ],
 )
-def test_bad_embedding_requests_name_the_field(server: ServeProcess, body: dict, param: str) -> None:
+def test_bad_embedding_requests_name_the_field(serve_apps: None, body: dict, param: str) -> None:
     r = requests.post(f"{BASE_URL}/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
@@ -103,7 +99,7 @@ def test_bad_embedding_requests_name_the_field(server: ServeProcess, body: dict,
         ("/v1/responses", {"input": "hi"}),
     ],
 )
-def test_generation_routes_refuse_a_pooling_model(server: ServeProcess, route: str, body: dict) -> None:
+def test_generation_routes_refuse_a_pooling_model(serve_apps: None, route: str, body: dict) -> None:
     r = requests.post(f"{BASE_URL}{route}", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]

@@ -1,6 +1,7 @@
 """The three ways to start the app answer HTTP: the README's `serve run
-serve_app:app` (demo model, no setup) and the shipped Serve config file on
-:8000, as documented, and `rayvllm serve` on the port it is given."""
+serve_app:app` (demo model, no setup) and the shipped Serve config file,
+as documented but on free ports (serve_harness), and `rayvllm serve` on
+the port it is given."""
 
 from __future__ import annotations
 
@@ -15,21 +16,21 @@ from pathlib import Path
 import pytest
 import requests
 
-from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, SERVE_RUN_PORT
+from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME
 
-from serve_harness import BASE_URL, ServeProcess, free_port, serve_run
+from serve_harness import REPO, ServeProcess, free_port, serve_run, serve_run_config
 
 
-def _curl_completion() -> dict:
+def _curl_completion(base_url: str) -> dict:
     """Exactly what a user types after the README's first command (plain
     HTTP where the machine has no curl)."""
     data = '{"prompt": "Hello, my name is", "max_tokens": 8}'
     if shutil.which("curl") is None:
-        r = requests.post(f"{BASE_URL}/v1/completions", data=data, headers={"Content-Type": "application/json"},
+        r = requests.post(f"{base_url}/v1/completions", data=data, headers={"Content-Type": "application/json"},
                           timeout=60)
         return r.json()
     out = subprocess.run(
-        ["curl", "-sS", f"{BASE_URL}/v1/completions", "-H", "Content-Type: application/json", "-d", data],
+        ["curl", "-sS", f"{base_url}/v1/completions", "-H", "Content-Type: application/json", "-d", data],
         capture_output=True, text=True, timeout=60, check=True,
     )
     return json.loads(out.stdout)
@@ -38,7 +39,7 @@ def _curl_completion() -> dict:
 def _check_demo(proc: ServeProcess) -> None:
     try:
         proc.wait_ready()
-        body = _curl_completion()
+        body = _curl_completion(proc.base_url)
         assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
         usage, choice = body["usage"], body["choices"][0]
         assert isinstance(choice["text"], str) and 0 < usage["completion_tokens"] <= 8
@@ -74,24 +75,26 @@ def _stream_through_sigterm(proc: ServeProcess, url: str, model: str, max_tokens
 
 def test_serve_run_demo_app(tmp_path: Path) -> None:
     """The README's command takes the fast path: the LLMServer replica
-    itself listens on :8000 (Serve's direct ingress) and the proxy, moved
-    to :8001, serves the same app. SIGTERM drains it."""
+    itself listens on the port (:8000 unless RAYVLLM_SERVE_RUN_PORT says
+    otherwise; Serve's direct ingress) and the proxy, one port above,
+    serves the same app. SIGTERM drains it."""
     proc = serve_run(["serve_app:app"], tmp_path / "serve.log")
+    port, proxy_port = proc.ports
     try:
         proc.wait_ready()
         replicas = proc.descendant_pids("ray::ServeReplica")
-        assert len(replicas) == 1 and proc.listener_pids(SERVE_RUN_PORT) == replicas, proc.log_tail()
-        proxied = requests.get(f"http://127.0.0.1:{SERVE_RUN_PORT + 1}/v1/models", timeout=60)
+        assert len(replicas) == 1 and proc.listener_pids(port) == replicas, proc.log_tail()
+        proxied = requests.get(f"http://127.0.0.1:{proxy_port}/v1/models", timeout=60)
         assert proxied.status_code == 200 and proxied.json()["data"][0]["id"] == DEMO_MODEL_NAME
-        body = _curl_completion()
+        body = _curl_completion(proc.base_url)
         assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
-        _stream_through_sigterm(proc, BASE_URL, DEMO_MODEL_NAME, 400)
+        _stream_through_sigterm(proc, proc.base_url, DEMO_MODEL_NAME, 400)
     finally:
         proc.stop()
 
 
 def test_serve_run_config_file(tmp_path: Path) -> None:
-    _check_demo(serve_run(["serve_config.yaml"], tmp_path / "serve.log"))
+    _check_demo(serve_run_config(REPO / "serve_config.yaml", tmp_path / "serve.log"))
 
 
 @pytest.mark.skipif(not Path(sys.executable).with_name("rayvllm").exists(), reason="console script not installed")

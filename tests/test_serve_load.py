@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
 
-from serve_harness import DIRECT_URL, ServeProcess, served  # noqa: E402
+from serve_harness import app_url  # noqa: E402
 
 CLIENTS = 200
 MAX_PENDING = 120
@@ -27,23 +26,19 @@ PROMPTS = [f"Request number {i} says" for i in range(8)]
 ENGINE = dict(max_num_seqs=32, max_model_len=256, kv_cache_memory_bytes=32 << 20)
 # Bounds every request, so a hang fails the test instead of stalling it.
 REQUEST_TIMEOUT_S = 300
+BASE_URL = app_url(__file__)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    args = [f"{k}={v}" for k, v in ENGINE.items()]
-    with served(
-        ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny",
-         f"max_pending_requests={MAX_PENDING}", "disable_access_log=true", *args],
-        tmp_path_factory.mktemp("serve-load") / "serve.log",
-    ) as proc:
-        yield proc
+def serve_app_args(request: pytest.FixtureRequest) -> dict[str, object]:
+    """This module's app on the shared server (conftest.serve_apps), admitting `MAX_PENDING` requests at once."""
+    return {"model": str(request.getfixturevalue("tiny_model_dir")), "served_model_name": "tiny",
+            "max_pending_requests": MAX_PENDING, "disable_access_log": True, **ENGINE}
 
 
 async def _one(session: "aiohttp.ClientSession", index: int) -> tuple[str, object]:
     body = {"model": "tiny", "prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    async with session.post(f"{DIRECT_URL}/v1/completions", json=body) as r:
+    async with session.post(f"{BASE_URL}/v1/completions", json=body) as r:
         if r.status != 200:
             return "refused", (r.status, r.headers.get("Retry-After"), await r.json())
         text, finish, done = "", None, False
@@ -71,11 +66,11 @@ def _metrics() -> dict[str, float]:
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = requests.get(f"{DIRECT_URL}/metrics", timeout=30).text
+    text = requests.get(f"{BASE_URL}/metrics", timeout=30).text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.keys() - {"model_name"}}
 
 
-def test_a_flood_of_streams_completes_or_is_refused_cleanly(server: ServeProcess, tiny_model_dir: Path) -> None:
+def test_a_flood_of_streams_completes_or_is_refused_cleanly(serve_apps: None, tiny_model_dir: Path) -> None:
     results = asyncio.run(_flood())
     kinds = [kind for kind, _ in results]
     assert "broken" not in kinds, [r for r in results if r[0] == "broken"][:3]

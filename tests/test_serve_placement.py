@@ -26,27 +26,36 @@ from rayvllm.entrypoints.serve_builder import replica_placement, split_args  # n
 APP = "placement-test"
 ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 4}
 DEADLINE_S = 240.0
+ENGINE_ACTORS = ("SchedulerActor", "WorkerActor")
+REPLICA = f"ServeReplica:{APP}:LLMServer"
 
 
 @pytest.fixture()
-def cluster() -> Iterator[None]:
-    # Logical CPUs: two replicas each reserve 0.01 + one worker CPU.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+def others(serve_local: None) -> Iterator[set[str]]:
+    """On the shared cluster (two replicas each reserve 0.01 + one worker
+    CPU of its logical CPUs): the ids of the placement groups and actors
+    alive before the test, which are not its own. Deletes the app after."""
     try:
-        yield
+        yield set(_live_groups(set())) | {a["ActorID"] for a in _alive(ENGINE_ACTORS + (REPLICA,), set())}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete(APP)
 
 
-def _live_groups() -> dict[str, int]:
-    """Placement groups not removed: id -> bundle count."""
+def _live_groups(others: set[str]) -> dict[str, int]:
+    """Placement groups not removed and not in `others`: id -> bundle count."""
     table = placement_group_table()
-    return {pg_id: len(info["bundles"]) for pg_id, info in table.items() if info["state"] != "REMOVED"}
+    return {
+        pg_id: len(info["bundles"])
+        for pg_id, info in table.items()
+        if info["state"] != "REMOVED" and pg_id not in others
+    }
 
 
-def _alive(names: tuple[str, ...]) -> list[dict[str, Any]]:
-    return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE" and a["ActorClassName"] in names]
+def _alive(names: tuple[str, ...], others: set[str]) -> list[dict[str, Any]]:
+    return [
+        a for a in ray._private.state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] in names and a["ActorID"] not in others
+    ]
 
 
 def _wait_for(what: str, condition: Callable[[], bool]) -> None:
@@ -61,7 +70,7 @@ def _complete(handle: Any) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-def test_two_replicas_own_their_groups_and_a_killed_one_leaks_nothing(cluster: None, tiny_model_dir: Path) -> None:
+def test_two_replicas_own_their_groups_and_a_killed_one_leaks_nothing(others: set[str], tiny_model_dir: Path) -> None:
     engine, _ = split_args({"model": str(tiny_model_dir), **ENGINE_ARGS})
     app = LLMServer.options(num_replicas=2, **replica_placement(engine)).bind(  # type: ignore[attr-defined]
         engine.model_dump(exclude_unset=True)
@@ -70,21 +79,20 @@ def test_two_replicas_own_their_groups_and_a_killed_one_leaks_nothing(cluster: N
     expected = _complete(handle)
     assert len(expected) == 3
 
-    engine_actors = ("SchedulerActor", "WorkerActor")
-    groups = _live_groups()
+    groups = _live_groups(others)
     # One group per replica: the replica's bundle plus one worker bundle,
     # where the SchedulerActor runs the model itself (world size 1).
     assert sorted(groups.values()) == [2, 2]
-    assert Counter(a["ActorClassName"] for a in _alive(engine_actors)) == {"SchedulerActor": 2}
+    assert Counter(a["ActorClassName"] for a in _alive(ENGINE_ACTORS, others)) == {"SchedulerActor": 2}
 
-    victim = next(a for a in _alive(("ServeReplica:" + APP + ":LLMServer",)))
+    victim = next(a for a in _alive((REPLICA,), others))
     os.kill(victim["Pid"], signal.SIGKILL)
-    _wait_for("the killed replica's group to go", lambda: len(set(_live_groups()) & set(groups)) == 1)
-    _wait_for("Serve to replace the replica", lambda: len(_live_groups()) == 2 and len(_alive(engine_actors)) == 2)
+    _wait_for("the killed replica's group to go", lambda: len(set(_live_groups(others)) & set(groups)) == 1)
+    _wait_for("Serve to replace the replica", lambda: len(_live_groups(others)) == 2 and len(_alive(ENGINE_ACTORS, others)) == 2)
     # The replacement serves the same tokens.
     _wait_for("a healthy app", lambda: serve.status().applications[APP].status == "RUNNING")
     assert _complete(handle) == expected
 
     serve.delete(APP)
-    _wait_for("every group to be removed", lambda: not _live_groups())
-    _wait_for("every engine actor to end", lambda: not _alive(engine_actors))
+    _wait_for("every group to be removed", lambda: not _live_groups(others))
+    _wait_for("every engine actor to end", lambda: not _alive(ENGINE_ACTORS, others))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -17,7 +15,7 @@ import requests
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
 
-from serve_harness import DIRECT_URL as BASE_URL, ServeProcess, served  # noqa: E402
+from serve_harness import app_url  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -39,21 +37,18 @@ WEATHER = {
     },
 }
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+BASE_URL = app_url(__file__)
+
+
+def serve_app_args(request: pytest.FixtureRequest) -> dict[str, object]:
+    """This module's app on the shared server (conftest.serve_apps), with tool calls parsed."""
+    return {"model": str(request.getfixturevalue("tiny_model_dir")), "served_model_name": "tiny", "max_num_seqs": 8,
+            "max_model_len": 1024, "kv_cache_memory_bytes": 32 << 20, "enable_auto_tool_choice": True,
+            "tool_call_parser": "hermes"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    with served(
-        ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", "max_num_seqs=8",
-         "max_model_len=1024", "kv_cache_memory_bytes=33554432", "enable_auto_tool_choice=true",
-         "tool_call_parser=hermes"],
-        tmp_path_factory.mktemp("serve") / "serve.log",
-    ) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(server: ServeProcess) -> "openai.OpenAI":
+def client(serve_apps: None) -> "openai.OpenAI":
     return openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key="unused", max_retries=0)
 
 
@@ -115,7 +110,7 @@ def test_required_and_named_tool_calls(client: "openai.OpenAI") -> None:
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ],
 )
-def test_bad_constraints_are_400_naming_the_field(server: ServeProcess, body: dict, param: str) -> None:
+def test_bad_constraints_are_400_naming_the_field(serve_apps: None, body: dict, param: str) -> None:
     response = requests.post(
         f"{BASE_URL}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **body},
         timeout=60,
@@ -230,7 +225,7 @@ def test_responses_text_format_json_schema(client: "openai.OpenAI") -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
     ],
 )
-def test_responses_bad_tools_and_formats_are_400_naming_the_field(server: ServeProcess, body: dict,
+def test_responses_bad_tools_and_formats_are_400_naming_the_field(serve_apps: None, body: dict,
                                                                    param: str) -> None:
     response = requests.post(f"{BASE_URL}/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=60)
     assert response.status_code == 400, response.text

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 
 from hf_oracle import hf_greedy  # noqa: E402
 from test_spec_decode import ENGINE, GREEDY, NGRAM, repetitive_prompts  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _metric(text: str, name: str) -> float:

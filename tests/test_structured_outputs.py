@@ -11,9 +11,7 @@ import json
 import os
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import pytest
@@ -235,14 +233,6 @@ def test_ignore_eos_still_ends_with_the_grammar(llm: LLM) -> None:
     assert out.text in CHOICES and out.finish_reason == "stop"
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[Any]:
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _ray_case(llm: LLM) -> tuple[list[str], list[SamplingParams], list[list[int]]]:
     so = _so(json=SCHEMA, disable_any_whitespace=True)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=so) for s in range(4)]
@@ -250,7 +240,7 @@ def _ray_case(llm: LLM) -> tuple[list[str], list[SamplingParams], list[list[int]
     return prompts, params, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_ray_path_with_async_scheduling_matches(ray_local: Any, tiny_model_dir: Path, llm: LLM) -> None:
+def test_ray_path_with_async_scheduling_matches(ray_local: None, tiny_model_dir: Path, llm: LLM) -> None:
     """On the Ray path the SchedulerActor's runner holds the matchers (async
     scheduling is its default); seeded constrained outputs are the
     in-process engine's."""
@@ -264,7 +254,7 @@ def test_ray_path_with_async_scheduling_matches(ray_local: Any, tiny_model_dir: 
         remote.shutdown()
 
 
-def test_killed_engine_resumes_constrained_streams(ray_local: Any, tiny_model_dir: Path, llm: LLM) -> None:
+def test_killed_engine_resumes_constrained_streams(ray_local: None, tiny_model_dir: Path, llm: LLM) -> None:
     """The engine process is killed mid-generation: AsyncLLM starts a new
     one and resumes each request from prompt + streamed tokens; the new
     worker's matchers are rebuilt over those tokens, so every stream ends

@@ -32,8 +32,11 @@ from rayvllm.messages.errors import InvalidParameterError
 # `serve run <import path>` names its application "default"; the config file does too.
 DEFAULT_APP_NAME = "default"
 DEMO_MODEL_NAME = "rayvllm-demo"
-# The port of `serve run <import path>` (Serve's default; the command has no option for it).
+# The port of `serve run <import path>` (Serve's default). The command has no
+# option for it; this variable moves it (the replica answers there, Serve's
+# proxy one above), for a machine where 8000 is taken.
 SERVE_RUN_PORT = 8000
+SERVE_RUN_PORT_ENV = "RAYVLLM_SERVE_RUN_PORT"
 
 
 def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
@@ -101,7 +104,7 @@ def wait_for_port(port: int, host: str = "127.0.0.1", timeout_s: float = 90.0) -
     return True
 
 
-def start_fast_serve_run(argv: Sequence[str] | None = None, port: int = SERVE_RUN_PORT) -> bool:
+def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = None) -> bool:
     """Put `serve run <import path> [key=value ...]` on the fast path.
 
     `serve run` of an import path puts Serve's proxy on :8000, and the
@@ -112,9 +115,12 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int = SERVE_RU
     command about to start a local cluster (no options, no RAY_ADDRESS, no
     cluster running here, no direct-ingress setting of the user's), start
     both now: the replica answers `port` itself and Serve's proxy moves to
-    `port + 1`. Returns whether it did; otherwise `serve run` goes on as
-    it would (proxy on :8000)."""
+    `port + 1`. `port`: by default `SERVE_RUN_PORT_ENV`'s value, else
+    `SERVE_RUN_PORT`. Returns whether it did; otherwise `serve run` goes on
+    as it would (proxy on :8000)."""
     argv = sys.argv if argv is None else argv
+    if port is None:
+        port = int(os.environ.get(SERVE_RUN_PORT_ENV, SERVE_RUN_PORT))
     if len(argv) < 3 or Path(argv[0]).name != "serve" or argv[1] != "run":
         return False
     if any(a.startswith("-") for a in argv[2:]) or Path(argv[2]).is_file():
