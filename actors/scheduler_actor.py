@@ -1,6 +1,6 @@
 """`SchedulerActor`: the Ray shim over the engine core (schedulers, KV block
 pools, prefix caches and the worker groups they drive) and the loop that
-owns it (engine/core_loop.py).
+owns it (engine/core_loop.py, the loop an in-process core runs on a thread).
 
 It asks Ray for no CPU (docs/ARCHITECTURE.md, principle 8): it computes nothing heavy and
 must fit beside the workers on a small machine. The exception: at world
@@ -16,11 +16,13 @@ from multiprocessing.connection import Listener
 import ray
 import torch
 
+from rayvllm.actors.executor_factory import create_executor
+from rayvllm.actors.placement import scheduler_hosts_worker
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import accept, open_listener
 from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.executor.placement import scheduler_hosts_worker
+from rayvllm.engine.local_pipe import SocketConnection
 from rayvllm.executor.uniproc import UniProcExecutor
 from rayvllm.worker.worker import cpu_threads
 
@@ -52,8 +54,10 @@ class SchedulerActor:
         one with the replica); returns the KV blocks per DP rank."""
         self.config = config
         _set_threads(config)
-        executors = [UniProcExecutor(config)] if scheduler_hosts_worker(config.parallel_config) else None
-        self.core = EngineCore(config, executors=executors, reserved_pg=reserved_pg)
+        if scheduler_hosts_worker(config.parallel_config):
+            self.core = EngineCore(config, lambda dp_rank: UniProcExecutor(config))
+        else:
+            self.core = EngineCore(config, lambda dp_rank: create_executor(config, dp_rank, reserved_pg))
         return config.cache_config.num_blocks
 
     def open_stream(self) -> tuple[tuple[str, int], bytes]:
@@ -76,7 +80,7 @@ class SchedulerActor:
             return  # shut down before the client came
         finally:
             self._listener.close()
-        EngineCoreLoop(self.core, conn).run()
+        EngineCoreLoop(self.core, SocketConnection(conn)).run()
 
     def check_health(self) -> None:
         assert self.core is not None

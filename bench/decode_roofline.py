@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra_kwargs=extra,
     )
     try:
-        runner = llm.llm_engine.engine_core.executor.runner
+        runner = llm.llm_engine.engine_core.engine_core.executor.runner
         kv_bytes_per_token = runner.kv_bytes_per_block() / runner.block_size
         graphs = runner.cuda_graphs is not None
         timer = DecodeTimer(runner, device)

@@ -19,7 +19,7 @@ has `--kill-after` tokens injects the fault:
 Reported per scenario: requests in flight at the fault, requests lost
 (a stream that did not finish, or whose tokens differ from an undisturbed
 in-process run: a repeated or missing token shows as a difference), the
-engine's own restart time (`CoreRestarts.last_duration_s`: failure seen to
+engine's own restart time (`RestartPolicy.last_duration_s`: failure seen to
 new engine ready), and the stall (the longest wait between two tokens, of
 any stream, after the fault: detection + restart + recompute of the context)
 and the least-stalled stream's longest wait (with DP, a stream on a rank
@@ -62,6 +62,7 @@ def _victim_pid(scenario: str) -> int:
 
 async def _run(scenario: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     from rayvllm import SamplingParams
+    from rayvllm.actors.factory import async_llm_from_engine_args
     from rayvllm.config.engine_args import EngineArgs
     from rayvllm.engine.async_llm import AsyncLLM
     from rayvllm.messages.errors import RequestFailedError
@@ -71,7 +72,7 @@ async def _run(scenario: str, model: str, args: argparse.Namespace) -> dict[str,
         parallel = {"tensor_parallel_size": 2}
     elif scenario.startswith("dp2"):
         parallel = {"data_parallel_size": 2}
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model, max_model_len=1024, **parallel))
+    engine = async_llm_from_engine_args(EngineArgs(model=model, max_model_len=1024, **parallel))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [[5 + i, 6 + i, 7 + i, 8 + i] * (i + 1) for i in range(args.streams)]
     tokens: list[list[int]] = [[] for _ in prompts]

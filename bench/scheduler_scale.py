@@ -78,7 +78,7 @@ def measure(ranks: int, args: argparse.Namespace) -> dict[str, float]:
         parallel_config=ParallelConfig(data_parallel_size=ranks),
     )
     num_blocks = seqs * blocks_per_seq + 2
-    core = EngineCore(config, executors=[NullExecutor(config, num_blocks) for _ in range(ranks)])
+    core = EngineCore(config, lambda rank: NullExecutor(config, num_blocks))
     rng = random.Random(ranks)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 4)
     for i in range(ranks * seqs):

@@ -50,7 +50,37 @@ def hang_once() -> None:
     model_runner.ModelRunner._update_states = update_states
 
 
+# The file that arms `die_in_start`: set by the test in the workers' environment.
+DIE_IN_START_FLAG_ENV = "RAYVLLM_TEST_DIE_IN_START_FLAG"
+
+
+def die_in_start() -> None:
+    """The next engine core built after the test creates the flag file
+    (the replacement SchedulerActor's `start`) kills its own process: a
+    death during recovery. One process claims the flag (by removing it)."""
+    import os
+    import signal
+
+    from rayvllm.engine import engine_core
+
+    original = engine_core.EngineCore.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        flag = os.environ.get(DIE_IN_START_FLAG_ENV)
+        if flag:
+            try:
+                os.remove(flag)
+            except FileNotFoundError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        original(self, *args, **kwargs)
+
+    engine_core.EngineCore.__init__ = init
+
+
 def install() -> None:
-    """Every fault of this file (each triggered only by its own seed)."""
+    """Every fault of this file (each triggered only by its own seed or flag)."""
     poison_seed()
     hang_once()
+    die_in_start()

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import pytest
 
 from rayvllm import LLM, SamplingParams
+from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
@@ -26,7 +27,7 @@ T = TypeVar("T")
 
 def _run(model_dir: Path, body: Callable[[AsyncLLM], Awaitable[T]], **kwargs: Any) -> T:
     async def main() -> T:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), **ENGINE), **kwargs)
+        engine = async_llm_from_engine_args(EngineArgs(model=str(model_dir), **ENGINE), **kwargs)
         try:
             return await body(engine)
         finally:

@@ -125,9 +125,9 @@ def test_triton_backend_matches_torch_and_transformers(tiny_model_dir: Path) -> 
     """The same greedy tokens as the torch backend, which match transformers,
     through prefix hits and chunked prefill (on CUDA also decode graphs)."""
     tokens, llm = _engine_tokens(tiny_model_dir, "triton")
-    runner = llm.llm_engine.engine_core.executor.runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.runner
     assert runner.attn_backend.name == "triton" and runner.kv_caches[0][0].shape[1] == 16  # NHD
-    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.make_prefix_cache_stats().hits > 0
+    assert llm.llm_engine.engine_core.make_stats().prefix_cache_stats.hits > 0
     reference, _ = _engine_tokens(tiny_model_dir, "torch")
     assert tokens == reference
     _, prompts = _mixed_batch_prompts()

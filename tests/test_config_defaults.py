@@ -17,7 +17,7 @@ from rayvllm.config import CacheConfig, SchedulerConfig
 from rayvllm.config.engine_args import ENGINE_ARG_GROUPS, EngineArgs, engine_arguments
 from rayvllm.config.fields import cli_flag, format_default, parse_value
 from rayvllm.config.kv_offload import kv_bytes_per_block
-from rayvllm.engine.llm_engine import LLMEngine
+from rayvllm.entrypoints import llm as llm_module
 from rayvllm.entrypoints.cli import build_parser, given_args
 from rayvllm.entrypoints.config_doc import REGENERATE, render
 from rayvllm.entrypoints.llm import LLM
@@ -68,11 +68,11 @@ def test_each_engine_default_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
 
     captured: list[EngineArgs] = []
 
-    def capture(cls: type, args: EngineArgs) -> None:
+    def capture(args: EngineArgs) -> None:
         captured.append(args)
         raise RuntimeError("captured")
 
-    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(capture))
+    monkeypatch.setattr(llm_module, "llm_engine_from_engine_args", capture)
     with pytest.raises(RuntimeError, match="captured"):
         LLM()
     (offline,) = captured

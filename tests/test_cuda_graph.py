@@ -82,7 +82,7 @@ def test_decode_replay_matches_eager(tiny_model_dir: Path, monkeypatch: pytest.M
             model=str(tiny_model_dir), attention_backend=backend, max_num_seqs=8, max_model_len=256,
             kv_cache_memory_bytes=8 << 20,
         )
-        runner = llm.llm_engine.engine_core.executor.runner
+        runner = llm.llm_engine.engine_core.engine_core.executor.runner
         if backend == "triton":
             runner._capture_cuda_graphs()
             assert replays == []  # capturing does not replay
@@ -103,7 +103,7 @@ def test_real_graphs_match_eager_on_cuda(tiny_model_dir: Path) -> None:
             model=str(tiny_model_dir), attention_backend="triton", enforce_eager=eager, max_num_seqs=8,
             max_model_len=256, kv_cache_memory_bytes=8 << 20,
         )
-        runner = llm.llm_engine.engine_core.executor.runner
+        runner = llm.llm_engine.engine_core.engine_core.executor.runner
         assert (runner.cuda_graphs is None) == eager
         replayed: list[int] = []
         if not eager:

@@ -32,7 +32,7 @@ from rayvllm.config import EngineConfig
 from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, direct_ingress_env, split_args
-from rayvllm.executor.placement import deployment_bundles
+from rayvllm.actors.placement import deployment_bundles
 from rayvllm.models.loader import MODEL_REGISTRY
 from rayvllm.model_executor.model_runner import ModelRunner
 

@@ -101,7 +101,7 @@ def test_ray_backend_with_one_worker(ray_local: None, models: dict[str, Path]) -
     model_dir = models["llama-gqa"]
     llm = LLM(str(model_dir), distributed_executor_backend="ray", **ENGINE)
     try:
-        from rayvllm.engine.ray_core_client import RayEngineCoreClient
+        from rayvllm.actors.ray_core_client import RayEngineCoreClient
 
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
         assert llm.llm_engine.config.scheduler_config.async_scheduling  # the default there

@@ -16,7 +16,6 @@ import pytest
 
 from rayvllm.config import EngineConfig
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.engine import engine_core
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.executor.uniproc import UniProcExecutor
@@ -38,7 +37,7 @@ def core(tiny_model_dir: Path) -> EngineCore:
         model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, num_gpu_blocks_override=20,
         max_num_batched_tokens=512,
     ).create_engine_config()
-    return EngineCore(config, executors=[UniProcExecutor(config), UniProcExecutor(config)])
+    return EngineCore(config, lambda rank: UniProcExecutor(config))
 
 
 _rng = random.Random(3)
@@ -171,7 +170,7 @@ def test_a_rank_keeps_stepping_while_another_ranks_step_is_held(tiny_model_dir: 
         max_num_batched_tokens=64,
     ).create_engine_config()
     held, free = _GatedExecutor(config, is_open=False), _GatedExecutor(config, is_open=True)
-    core = EngineCore(config, executors=[held, free])
+    core = EngineCore(config, [held, free].__getitem__)
     core.add_request(_request("a", [11, 12, 13], max_tokens=6))
     core.add_request(_request("b", [21, 22, 23], max_tokens=6))
     assert core.request_rank == {"a": 0, "b": 1}  # routed by load: one request per rank
@@ -240,31 +239,28 @@ class _HeldBuild(UniProcExecutor):
         return super().initialize()
 
 
-def test_a_dead_rank_is_rebuilt_while_the_other_serves(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dead_rank_is_rebuilt_while_the_other_serves(tiny_model_dir: Path) -> None:
     """DP rank 1's worker group dies mid-decode: its requests move to a
     fresh scheduler and its group is rebuilt on a thread; rank 0's request
     runs to its end while the rebuild is held; then rank 1 resumes by
     recompute and every request's tokens equal an undisturbed run's (the
     engine is never restarted)."""
-    config = EngineArgs(
-        model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, max_num_batched_tokens=512,
-    ).create_engine_config()
-    prompts = {"a": _fresh(20, 1), "b": _fresh(33, 2), "c": _fresh(9, 3)}
-    undisturbed_core = EngineCore(config, executors=[UniProcExecutor(config), UniProcExecutor(config)])
-    for req_id, prompt in prompts.items():
-        undisturbed_core.add_request(_request(req_id, prompt, max_tokens=12))
-    expected = _tokens_until(undisturbed_core, lambda done: len(done) == 3)[0]
-    undisturbed_core.shutdown()
-
+    config, prompts, expected = _undisturbed_dp2(tiny_model_dir)
     dying = _DyingExecutor(config, dies_at=4)
-    core = EngineCore(config, executors=[UniProcExecutor(config), dying])
-    builds: list[_HeldBuild] = []
+    builds: list[Executor] = []
 
-    def build(cfg: EngineConfig, rank: int, reserved_pg: object = None) -> Executor:
-        builds.append(_HeldBuild(cfg))
+    def build(rank: int) -> Executor:
+        """The first group of each rank, then the rebuilt ones."""
+        if rank == 0 and not builds:
+            builds.append(UniProcExecutor(config))
+            return builds[0]
+        if rank == 1 and len(builds) == 1:
+            builds.append(dying)
+            return dying
+        builds.append(_HeldBuild(config))
         return builds[-1]
 
-    monkeypatch.setattr(engine_core, "create_executor", build)
+    core = EngineCore(config, build)
     _HeldBuild.release.clear()
     for req_id, prompt in prompts.items():
         core.add_request(_request(req_id, prompt, max_tokens=12))
@@ -277,9 +273,47 @@ def test_a_dead_rank_is_rebuilt_while_the_other_serves(tiny_model_dir: Path, mon
     _HeldBuild.release.set()
     more, _ = _tokens_until(core, lambda done: len(done) == 3, tokens, finished)
     assert more == expected
-    assert core.executors[1] is builds[0] and not core.recoveries and len(builds) == 1
+    assert core.executors[1] is builds[2] and not core.recoveries and len(builds) == 3
     assert core.make_stats().num_rank_rebuilds == 1
     core.shutdown()
+
+
+class _DiesInStart(UniProcExecutor):
+    """A rebuilt group whose process is killed as it starts."""
+
+    def initialize(self) -> int:
+        raise EngineDeadError("worker rank 0 of DP rank 1 died as it started")
+
+
+def test_a_rebuild_that_dies_as_it_starts_is_tried_again(tiny_model_dir: Path) -> None:
+    """DP rank 1's group dies mid-decode and its first replacement dies as
+    it starts: one more failure of the same kind, under the engine's
+    restart rule. The next start serves, and every request's tokens equal
+    an undisturbed run's."""
+    config, prompts, expected = _undisturbed_dp2(tiny_model_dir)
+    groups = iter([UniProcExecutor(config), _DyingExecutor(config, dies_at=4), _DiesInStart(config)])
+    core = EngineCore(config, lambda rank: next(groups, None) or UniProcExecutor(config))
+    for req_id, prompt in prompts.items():
+        core.add_request(_request(req_id, prompt, max_tokens=12))
+    tokens, _ = _tokens_until(core, lambda done: len(done) == 3)
+    assert tokens == expected
+    assert (core.rebuild_limits.failed_starts, core.num_rank_rebuilds) == (1, 1)
+    core.shutdown()
+
+
+def _undisturbed_dp2(tiny_model_dir: Path) -> tuple[EngineConfig, dict[str, list[int]], dict[str, list[int]]]:
+    """The DP=2 config of the rebuild tests, their prompts, and the tokens
+    each gets with no failure."""
+    config = EngineArgs(
+        model=str(tiny_model_dir), data_parallel_size=2, max_model_len=256, max_num_batched_tokens=512,
+    ).create_engine_config()
+    prompts = {"a": _fresh(20, 1), "b": _fresh(33, 2), "c": _fresh(9, 3)}
+    core = EngineCore(config, lambda rank: UniProcExecutor(config))
+    for req_id, prompt in prompts.items():
+        core.add_request(_request(req_id, prompt, max_tokens=12))
+    expected = _tokens_until(core, lambda done: len(done) == 3)[0]
+    core.shutdown()
+    return config, prompts, expected
 
 
 def _tokens_until(

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rayvllm import LLM, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, SamplingParams
+from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.messages.errors import InvalidParameterError, PromptTooLongError
@@ -70,12 +71,12 @@ def test_embed_matches_transformers(models: dict[str, Path], name: str, pooling:
     llm = LLM(str(model_dir), runner="pooling", pooler_config={"pooling_type": pooling},
               async_scheduling=pooling == "LAST", **ENGINE)
     try:
-        kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+        core = llm.llm_engine.engine_core
         _check(model_dir, llm.embed(prompts, use_tqdm=False), prompts, pooling, normalize=True)
-        kv.make_prefix_cache_stats()
+        core.make_stats()
         raw = llm.embed([{"prompt_token_ids": p} for p in prompts], PoolingParams(normalize=False), use_tqdm=False)
         _check(model_dir, raw, prompts, pooling, normalize=False)
-        stats = kv.make_prefix_cache_stats()
+        stats = core.make_stats().prefix_cache_stats
         if pooling == "LAST":
             assert stats.hits > 0  # the second pass reused cached prefixes, and stayed exact
         else:
@@ -92,19 +93,23 @@ def test_preempted_mid_prefill_starts_over(models: dict[str, Path]) -> None:
     assert len(prompt) > 2 * ENGINE["max_num_batched_tokens"]
     llm = LLM(str(model_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"}, **ENGINE)
     try:
+        # The core stepped by hand (its loop, on its thread, waits for
+        # inputs that never come): preempted between two steps.
         engine = llm.llm_engine
-        engine.add_request("p", {"prompt_token_ids": prompt}, PoolingParams())
-        assert engine.step() == []
-        scheduler = engine.engine_core.scheduler
+        core = engine.engine_core.engine_core
+        core.add_request(engine.processor.process("p", {"prompt_token_ids": prompt}, PoolingParams()))
+        assert core.step() == []
+        scheduler = core.scheduler
         [request] = scheduler.running
         assert 0 < request.num_computed_tokens < len(prompt)
         scheduler._preempt(request)
         outputs = []
-        while engine.has_unfinished_requests():
-            outputs += engine.step()
+        while core.has_unfinished_requests():
+            outputs += core.step()
         [out] = outputs
         want = hf_embedding(model_dir, prompt, "MEAN", True)
-        assert (out.outputs.data - want).abs().max().item() < TOL
+        assert out.pooling_output is not None
+        assert (torch.from_numpy(out.pooling_output) - want).abs().max().item() < TOL
         assert scheduler.num_preemptions == 1
     finally:
         llm.shutdown()
@@ -116,7 +121,7 @@ def test_text_prompts_and_lm_head_skipped(models: dict[str, Path]) -> None:
     model_dir = models["llama"]
     llm = LLM(str(model_dir), task="embed", **ENGINE)
     try:
-        model = llm.llm_engine.engine_core.executor.runner.model
+        model = llm.llm_engine.engine_core.engine_core.executor.runner.model
         assert model is not None and model.lm_head is None
         [out] = llm.embed("Hello, my name is", use_tqdm=False)
         ids = llm.get_tokenizer().encode("Hello, my name is")
@@ -146,7 +151,7 @@ def test_async_engine_encodes_concurrently(models: dict[str, Path]) -> None:
     prompts = _prompts()[:4]
 
     async def main() -> list[list[PoolingRequestOutput]]:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), runner="pooling", **ENGINE))
+        engine = async_llm_from_engine_args(EngineArgs(model=str(model_dir), runner="pooling", **ENGINE))
         try:
 
             async def one(i: int) -> list[PoolingRequestOutput]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.entrypoints.openai.engine_client import EngineClient
@@ -42,7 +43,7 @@ def test_async_llm_methods_have_the_protocol_signatures(name: str) -> None:
 
 def test_a_real_async_llm_is_an_engine_client(tiny_model_dir: Path, tiny_tokenizer) -> None:
     async def main() -> None:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE))
+        engine = async_llm_from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE))
         try:
             assert isinstance(engine, EngineClient)
             assert (engine.served_model_name, engine.model_path) == (str(tiny_model_dir), str(tiny_model_dir))

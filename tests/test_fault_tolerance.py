@@ -12,7 +12,7 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,11 +22,12 @@ ray = pytest.importorskip("ray")
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.messages.errors import EngineDeadError, RequestFailedError  # noqa: E402
 
-from fault_hooks import HANG_FLAG_ENV, HANG_SEED, POISON_SEED  # noqa: E402
+from fault_hooks import DIE_IN_START_FLAG_ENV, HANG_FLAG_ENV, HANG_SEED, POISON_SEED  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 6)]
@@ -42,12 +43,17 @@ def hang_flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local(hang_flag: Path, ray_private: None) -> Iterator[None]:
+def die_in_start_flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("die") / "die-in-next-start"
+
+
+@pytest.fixture(scope="module")
+def ray_local(hang_flag: Path, die_in_start_flag: Path, ray_private: None) -> Iterator[None]:
     # Every Ray worker process gets the faults of fault_hooks.py (each only
     # triggered by a request with its own seed).
     tests_dir = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path, HANG_FLAG_ENV: str(hang_flag)}
+    env = {"PYTHONPATH": path, HANG_FLAG_ENV: str(hang_flag), DIE_IN_START_FLAG_ENV: str(die_in_start_flag)}
     ray.init(address="local", num_cpus=4, log_to_driver=False, runtime_env={"worker_process_setup_hook": "fault_hooks.install", "env_vars": env})
     yield
     ray.shutdown()
@@ -71,32 +77,40 @@ def _alive(class_name: str) -> list[object]:
     return list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
 
 
+async def _stream_all(engine: AsyncLLM, fault: Callable[[], None]) -> tuple[list[list[int]], int]:
+    """Every prompt of PROMPTS streamed with its PARAMS; `fault` runs once,
+    when the first stream has 5 tokens. The tokens, and how many the first
+    stream had then."""
+    tokens: list[list[int]] = [[] for _ in PROMPTS]
+    at: list[int] = []
+
+    async def consume(i: int) -> None:
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+            tokens[i] += out.outputs[0].token_ids
+            if i == 0 and len(tokens[0]) >= 5 and not at:
+                at.append(len(tokens[0]))
+                fault()
+
+    await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+    return tokens, at[0]
+
+
 def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
     ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]
 ) -> None:
     async def main() -> tuple[list[list[int]], int, int]:
         # World size 1: the SchedulerActor runs the model itself.
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
             (victim,) = _alive("SchedulerActor")
-            tokens: list[list[int]] = [[] for _ in PROMPTS]
-            killed_at: list[int] = []
-
-            async def consume(i: int) -> None:
-                async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
-                    tokens[i] += out.outputs[0].token_ids
-                    if i == 0 and len(tokens[0]) >= 5 and not killed_at:
-                        killed_at.append(len(tokens[0]))
-                        os.kill(victim.pid, signal.SIGKILL)
-
-            await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
+            tokens, killed_at = await _stream_all(engine, lambda: os.kill(victim.pid, signal.SIGKILL))
             stats = engine.engine_core.make_stats()
             assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
             (successor,) = _alive("SchedulerActor")
             assert successor.actor_id != victim.actor_id
-            return tokens, engine.restarts.total, killed_at[0]
+            return tokens, engine.restarts.total, killed_at
         finally:
             engine.shutdown()
 
@@ -112,6 +126,42 @@ def test_killed_engine_is_replaced_and_every_stream_finishes_exactly(
     assert _live_groups() == []
 
 
+def test_a_replacement_killed_while_it_starts_is_one_more_failure(
+    ray_local: None, die_in_start_flag: Path, tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """The SchedulerActor is killed mid-generation, and then its replacement
+    is killed too, inside its `start` (fault_hooks.die_in_start, armed just
+    before the first kill). The death during recovery is one more failure
+    of the same kind: a third core starts, every stream (the one that met
+    both deaths included) finishes exactly, and the engine serves on."""
+
+    async def main() -> tuple[list[list[int]], list[int], int, list[str]]:
+        engine = async_llm_from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+        )
+        try:
+            (victim,) = _alive("SchedulerActor")
+
+            def kill_twice() -> None:
+                die_in_start_flag.touch()  # the replacement dies in its start
+                os.kill(victim.pid, signal.SIGKILL)
+
+            tokens, _ = await _stream_all(engine, kill_twice)
+            await engine.check_health()
+            after: list[int] = []
+            async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "after"):
+                after += out.outputs[0].token_ids
+            actors = [a.actor_id for a in _alive("SchedulerActor")]
+            return tokens, after, engine.restarts.total, actors
+        finally:
+            engine.shutdown()
+
+    tokens, after, restarts, actors = asyncio.run(main())
+    assert not die_in_start_flag.exists()  # the replacement met the fault
+    assert restarts == 1 and len(actors) == 1
+    assert tokens == undisturbed and after == undisturbed[0]
+
+
 @pytest.mark.parametrize("notice", ["health check", "new request"])
 def test_an_engine_killed_while_idle_is_replaced(
     ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]], notice: str
@@ -121,7 +171,7 @@ def test_an_engine_killed_while_idle_is_replaced(
     and the next request runs exactly."""
 
     async def main() -> tuple[list[int], bool, int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -157,7 +207,7 @@ def test_a_health_check_that_outlives_its_core_spares_the_new_one(
     and the loop does not replace a healthy core a second time."""
 
     async def main() -> tuple[list[int], int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -202,7 +252,7 @@ def test_requests_sent_while_the_core_is_replaced_reach_the_new_one(
     blocking the event loop, then runs exactly; the abort ends its stream."""
 
     async def main() -> tuple[list[int], list[int], str | None, int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -210,10 +260,10 @@ def test_requests_sent_while_the_core_is_replaced_reach_the_new_one(
             real_restart = client.restart
             entered, proceed = threading.Event(), threading.Event()
 
-            def held_restart(requests: list) -> None:
+            def held_restart(requests: list, shutdown_timeout_s: float) -> None:
                 entered.set()
                 proceed.wait()
-                real_restart(requests)
+                real_restart(requests, shutdown_timeout_s)
 
             client.restart = held_restart
             (victim,) = _alive("SchedulerActor")
@@ -258,7 +308,7 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
     exactly."""
 
     async def main() -> tuple[list[list[int]], int]:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, **ENGINE))
+        engine = async_llm_from_engine_args(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, **ENGINE))
         try:
             workers = _alive("WorkerActor")
             assert sorted(w.repr_name for w in workers) == ["WorkerActor(rank=0)", "WorkerActor(rank=1)"]
@@ -302,7 +352,7 @@ def test_a_request_that_fails_its_step_fails_alone(
     finishes exactly; the engine serves on."""
 
     async def main() -> tuple[list[list[int]], BaseException | None, int, list[int]]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -347,9 +397,8 @@ def test_a_hung_step_ends_the_engine_and_the_requests_resume(
     every stream, the one that met the hang included, finishes."""
 
     async def main() -> tuple[list[list[int]], int, int]:
-        engine = AsyncLLM(
-            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE).create_engine_config(),
-            step_timeout_s=3.0,
+        engine = async_llm_from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE), step_timeout_s=3.0
         )
         try:
             tokens: list[list[int]] = [[] for _ in PROMPTS]
@@ -380,12 +429,12 @@ def test_a_hung_step_ends_the_engine_and_the_requests_resume(
 
 def test_a_dead_dp_rank_is_rebuilt_alone(ray_local: None, tiny_model_dir: Path, undisturbed: list[list[int]]) -> None:
     """DP=2: DP rank 1's WorkerActor killed mid-generation. The engine is not
-    restarted (same SchedulerActor, no CoreRestarts): rank 1's group alone
+    restarted (same SchedulerActor, no core replaced): rank 1's group alone
     is rebuilt and its requests resume by recompute, while rank 0 keeps its
     worker; every stream equals an undisturbed run."""
 
     async def main() -> tuple[list[list[int]], int]:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), data_parallel_size=2, **ENGINE))
+        engine = async_llm_from_engine_args(EngineArgs(model=str(tiny_model_dir), data_parallel_size=2, **ENGINE))
         try:
             (scheduler,) = _alive("SchedulerActor")
             workers = {w.repr_name: w for w in _alive("WorkerActor")}

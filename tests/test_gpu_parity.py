@@ -65,7 +65,7 @@ def _llm(model_dir: Path, dtype: str, **kwargs: object) -> LLM:
 def test_greedy_parity_float32_on_cuda(gpu_models: dict[str, Path], name: str, engine_kwargs: dict) -> None:
     model_dir = gpu_models[name]
     llm = _llm(model_dir, "float32", **engine_kwargs)
-    runner = llm.llm_engine.engine_core.executor.runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.runner
     assert runner.attn_backend.name == "triton"
     assert (runner.cuda_graphs is None) == bool(engine_kwargs.get("enforce_eager"))
     prompts = _prompts()
@@ -97,7 +97,7 @@ def test_bfloat16_logprobs_of_transformers_greedy_tokens(gpu_models: dict[str, P
     prompts = _prompts()
     oracle = [hf_greedy(model_dir, p, device="cuda") for p in prompts]
     llm = _llm(model_dir, "bfloat16")
-    assert llm.llm_engine.engine_core.executor.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert llm.llm_engine.engine_core.engine_core.executor.runner.kv_caches[0][0].dtype == torch.bfloat16
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate(
         [{"prompt_token_ids": p + tokens} for p, (tokens, _) in zip(prompts, oracle)], params, use_tqdm=False

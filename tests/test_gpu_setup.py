@@ -31,7 +31,7 @@ def test_profile_run_is_the_largest_step_and_writes_no_kv(
         model=str(tiny_model_dir), attention_backend=backend, max_num_seqs=4, max_model_len=256,
         max_num_batched_tokens=48, kv_cache_memory_bytes=8 << 20,
     )
-    runner = llm.llm_engine.engine_core.executor.runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.runner
     seen: list[int] = []
     forward = runner.model.forward
     monkeypatch.setattr(runner.model, "forward", lambda ids, *a: seen.append(ids.shape[0]) or forward(ids, *a))
@@ -81,7 +81,7 @@ def test_profiled_kv_budget_on_cuda(tiny_model_dir: Path) -> None:
     """The profile sees the weights, a nonzero activation peak and the CUDA
     context; the engine then sizes its pool from it (no explicit budget)."""
     llm = LLM(model=str(tiny_model_dir), max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5)
-    runner = llm.llm_engine.engine_core.executor.runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.runner
     profile = profile_memory(runner.device, runner.profile_run)
     assert profile.total == torch.cuda.mem_get_info(runner.device)[1]
     assert profile.weights > 0 and profile.peak_activations > 0 and profile.non_torch > 0
@@ -97,7 +97,7 @@ def test_bfloat16_checkpoint_runs_in_bfloat16_on_cuda(tmp_path: Path) -> None:
 
     model_dir = build_random_model(tmp_path / "bf16", RandomModelSpec(dtype="bfloat16"))
     llm = LLM(model=str(model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    runner = llm.llm_engine.engine_core.executor.runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.runner
     assert runner.dtype == torch.bfloat16 and runner.attn_backend.name in ("triton", "flash_attn")
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}

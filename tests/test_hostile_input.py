@@ -22,6 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rayvllm.actors.factory import async_llm_from_engine_args
+
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.entrypoints.openai.protocol import (
@@ -57,7 +59,7 @@ class Server:
 
     @staticmethod
     async def _start(model_dir: Path) -> AsyncLLM:
-        return AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), **ENGINE))
+        return async_llm_from_engine_args(EngineArgs(model=str(model_dir), **ENGINE))
 
     def call(self, route: str, body: dict[str, Any]) -> tuple[int, Any]:
         return self.loop.run_until_complete(self._call(route, body))

@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection
 
 import pytest
 import torch
 
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine.local_pipe import LocalConnection, local_pipe
 from rayvllm.executor.base import Executor
 from rayvllm.messages.engine_types import (
     AbortRequests,
     AddRequests,
     EngineCoreFailure,
+    EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
+    PrefixCacheStats,
+    SchedulerStats,
 )
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.sampling_params import SamplingParams
@@ -140,7 +143,7 @@ def make_core(*, async_scheduling: bool = True, max_num_seqs: int = 4) -> tuple[
         parallel_config=ParallelConfig(),
     )
     executor = HeldExecutor(config)
-    return EngineCore(config, executors=[executor]), executor
+    return EngineCore(config, lambda rank: executor), executor
 
 
 def test_a_light_engine_schedules_after_the_running_step_so_an_arrival_makes_the_next() -> None:
@@ -212,29 +215,32 @@ def test_without_an_intake_the_core_fills_first(async_scheduling: bool) -> None:
         assert ex.events == ["submit 0", "result 0", "submit 1", "result 1"]
 
 
-def test_the_inproc_client_queues_adds_and_aborts_until_its_step() -> None:
-    """The in-process side of the client seam: adds and aborts from the
-    serving loop wait in its intake (the core is untouched) until `step`,
-    on the step thread, hands them over in order."""
+def test_the_inproc_client_drives_the_core_through_its_loop_on_a_thread() -> None:
+    """In-process, the same loop as on the SchedulerActor owns the core, on
+    a thread: the client only sends inputs and reads what was pushed."""
     from rayvllm.engine.core_client import InprocClient
 
-    core, ex = make_core(async_scheduling=False)
-    client = InprocClient(core)
-    client.add_requests([request("a", max_tokens=2)])
-    client.add_requests([request("b", max_tokens=2)])
-    client.abort_requests(["b"])
-    assert client.has_pending_intake() and not core.has_unfinished_requests() and ex.steps == []
-    outputs = client.step()
-    assert not client.has_pending_intake()
-    assert ex.requests_in(0) == ["a"]  # "b" was aborted before it was ever scheduled
-    assert [o.request_id for o in outputs] == ["a"] and outputs[0].new_token_ids == [7]
+    _, ex = make_core(async_scheduling=False)
+    client = InprocClient(ex.config, lambda rank: ex)
+    try:
+        assert client.make_stats().num_running_reqs == 0  # the loop's first push
+        client.add_requests([request("a", max_tokens=2)])
+        tokens: list[int] = []
+        while not tokens or len(tokens) < 2:
+            tokens += [t for out in client.step() for t in out.new_token_ids]
+        assert tokens == [7, 7] and not client.has_pending_intake()
+        assert [ex.requests_in(i) for i in range(len(ex.steps))] == [["a"], ["a"]]
+        assert threading.current_thread() is not client._loop_thread
+    finally:
+        client.shutdown()
+    assert client.engine_core is None
 
 
 # ---- the engine loop that owns the core (core_loop.py) -------------------------------
 
 
-def _run_loop(core: EngineCore) -> tuple[Connection, threading.Thread]:
-    client, server = Pipe(duplex=True)
+def _run_loop(core: EngineCore) -> tuple[LocalConnection, threading.Thread]:
+    client, server = local_pipe()
     thread = threading.Thread(target=EngineCoreLoop(core, server).run, name="test-engine-loop")
     thread.start()
     return client, thread
@@ -277,3 +283,47 @@ def test_a_failing_step_is_the_loops_last_push() -> None:
     assert not thread.is_alive()
     with pytest.raises(EOFError):
         conn.recv()
+
+
+# ---- the client: a request id used again -------------------------------------------
+
+
+class _ScriptedLoop(EngineCoreClient):
+    """A client whose loop is the test: it reads the inputs and writes the pushes."""
+
+    def __init__(self) -> None:
+        self.loop_end: LocalConnection | None = None
+        super().__init__(make_core(async_scheduling=False)[1].config)
+        self._start()
+
+    def _launch(self) -> LocalConnection:
+        client_end, self.loop_end = local_pipe()
+        self.loop_end.send(_push([], applied=0))
+        return client_end
+
+    def _release(self, timeout_s: float) -> None:
+        pass
+
+    def check_health(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def _push(outputs: list[EngineCoreOutput], applied: int) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs, SchedulerStats(0, 0, 0.0, PrefixCacheStats(), 0), applied)
+
+
+def test_outputs_of_an_earlier_request_of_the_same_id_are_dropped() -> None:
+    """A request id used again at once (the first request finished here by
+    a stop string while the loop ran on): outputs pushed before the new
+    add was applied are the old request's and never reach the new one."""
+    client = _ScriptedLoop()
+    assert client.loop_end is not None
+    client.add_requests([request("a")])
+    client.loop_end.send(_push([EngineCoreOutput("a", [1])], applied=0))  # the old "a"
+    client.loop_end.send(_push([EngineCoreOutput("a", [2]), EngineCoreOutput("b", [3])], applied=1))
+    assert [(o.request_id, o.new_token_ids) for o in client.step()] == [("a", [2]), ("b", [3])]
+    client.loop_end.send(_push([EngineCoreOutput("a", [4])], applied=1))
+    assert [o.new_token_ids for o in client.step()] == [[4]]

@@ -286,7 +286,7 @@ def test_dp_routes_to_the_rank_whose_host_tier_holds_the_prefix(tiny_model_dir: 
         model=str(tiny_model_dir), dtype="float32", data_parallel_size=2, max_model_len=128, max_num_seqs=2,
         num_gpu_blocks_override=13, kv_offloading_size=1 / 1024,
     ).create_engine_config()
-    core = EngineCore(config, executors=[UniProcExecutor(config), UniProcExecutor(config)])
+    core = EngineCore(config, lambda rank: UniProcExecutor(config))
     greedy = Params(temperature=0.0, max_tokens=6, ignore_eos=True)
     doc, *others = _docs(5, 64, seed=8)
     tokens: dict[str, list[int]] = {}

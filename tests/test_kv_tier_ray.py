@@ -90,7 +90,7 @@ def _dp_core(tiny_model_dir: Path) -> EngineCore:
     """Two DP ranks with in-process runners: their only common ground is
     the Ray tier (each has its own pool and worker)."""
     config = EngineArgs(model=str(tiny_model_dir), data_parallel_size=2, **ENGINE).create_engine_config()
-    return EngineCore(config, executors=[UniProcExecutor(config), UniProcExecutor(config)])
+    return EngineCore(config, lambda rank: UniProcExecutor(config))
 
 
 def _evict_doc_from_rank_0(core: EngineCore) -> None:

@@ -141,7 +141,7 @@ def test_half_precision_logprobs_close_to_float32_reference(tiny_model_dir: Path
     of the float32 greedy tokens stay close to transformers in float32."""
     prompt = [5, 77, 912, 40, 3000, 18]
     llm = LLM(model=str(tiny_model_dir), dtype=dtype, max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
-    runner = llm.llm_engine.engine_core.executor.runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.runner
     assert runner.kv_caches[0][0].dtype == getattr(torch, dtype) and not runner.use_c_decode
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,

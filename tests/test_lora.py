@@ -53,7 +53,7 @@ class _StepRecorder:
     through the runner's LoRA manager."""
 
     def __init__(self, llm: LLM) -> None:
-        runner = llm.llm_engine.engine_core.executor.runner
+        runner = llm.llm_engine.engine_core.engine_core.executor.runner
         manager = next(ext.manager for ext in runner.extensions if isinstance(ext, LoRAExtension))
         assert manager is not None
         self.steps: list[set[int]] = []

@@ -18,8 +18,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
+from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
-from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.messages.errors import EngineDeadError  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
@@ -62,7 +62,7 @@ def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[objec
     llm.shutdown()
 
     async def main() -> tuple[list[list[int]], str, str, int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:
@@ -108,7 +108,7 @@ def test_without_room_requests_wait_until_a_node_returns(
     llm.shutdown()
 
     async def main() -> tuple[list[list[int]], str]:
-        engine = AsyncLLM.from_engine_args(EngineArgs(
+        engine = async_llm_from_engine_args(EngineArgs(
             model=str(tiny_model_dir), distributed_executor_backend="ray", placement_group_timeout_s=2, **ENGINE
         ))
         try:

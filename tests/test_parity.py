@@ -103,7 +103,7 @@ def test_greedy_parity_under_preemption(parity_models: dict[str, Path], name: st
     )
     prompts = _prompts(seed=12)
     outputs = _generate(llm, prompts)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == _hf_greedy(model_dir, prompt)[0]
 
@@ -114,10 +114,10 @@ def test_greedy_parity_with_prefix_cache_hits(parity_models: dict[str, Path], na
     llm = LLM(model=str(model_dir), dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=64)
     prompts = _prompts(seed=13, shared_prefix=100)
     first = _generate(llm, prompts)
-    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
-    kv.make_prefix_cache_stats()
+    core = llm.llm_engine.engine_core
+    core.make_stats()
     second = _generate(llm, prompts)
-    stats = kv.make_prefix_cache_stats()
+    stats = core.make_stats().prefix_cache_stats
     # Every prompt's full blocks are cached by the first pass.
     assert stats.hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert all(o.num_cached_tokens > 0 for o in second)
@@ -139,7 +139,7 @@ def test_greedy_parity_async_scheduling(parity_models: dict[str, Path], name: st
         model=str(model_dir), dtype="float32", async_scheduling=True, max_num_batched_tokens=32,
         num_gpu_blocks_override=30, max_model_len=256, enable_prefix_caching=True,
     )
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     assert core.max_inflight == 2
     prompts = _prompts(seed=14, shared_prefix=40)
     first = _generate(llm, prompts)
@@ -180,4 +180,4 @@ def test_async_scheduling_stops_where_sync_does(parity_models: dict[str, Path]) 
             (c.finish_reason, c.stop_reason) for c in e.outputs
         ]
     assert any(len(e.outputs[0].token_ids) < NUM_NEW and e.outputs[0].finish_reason == "stop" for e in expected)
-    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.usage == 0.0
+    assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.usage == 0.0

@@ -20,9 +20,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import PlacementGroup, placement_group_table  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
-from rayvllm.config import EngineConfig, ParallelConfig  # noqa: E402
-from rayvllm.config.engine_args import EngineArgs  # noqa: E402
-from rayvllm.executor.placement import (  # noqa: E402
+from rayvllm.actors.placement import (  # noqa: E402
     RankPlacement,
     assign_ranks,
     create_worker_placement_group,
@@ -31,7 +29,9 @@ from rayvllm.executor.placement import (  # noqa: E402
     scheduler_hosts_worker,
     worker_bundles,
 )
-from rayvllm.executor.ray_executor import RayExecutor  # noqa: E402
+from rayvllm.actors.ray_executor import RayExecutor  # noqa: E402
+from rayvllm.config import EngineConfig, ParallelConfig  # noqa: E402
+from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.messages.errors import DistributedInitError, PlacementError  # noqa: E402
 
 

@@ -23,10 +23,10 @@ class _NoRay:
 sys.meta_path.insert(0, _NoRay())
 
 from rayvllm import LLM, SamplingParams
-from rayvllm.engine.engine_core import EngineCore
+from rayvllm.engine.core_client import InprocClient
 
 llm = LLM(model=sys.argv[1], max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20)
-assert isinstance(llm.llm_engine.engine_core, EngineCore)
+assert isinstance(llm.llm_engine.engine_core, InprocClient)
 out = llm.generate("hello ray", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 5
 assert not any(m == "ray" or m.startswith("ray.") for m in sys.modules), "ray was imported"

@@ -126,7 +126,7 @@ def test_an_extension_sees_its_hooks_in_order(tiny_model_dir: Path, monkeypatch:
               kv_cache_memory_bytes=8 << 20)
     prompt = list(range(10, 30))
     try:
-        runner: ModelRunner = llm.llm_engine.engine_core.executor.runner
+        runner: ModelRunner = llm.llm_engine.engine_core.engine_core.executor.runner
         assert runner.extensions[-1] is recorder
         greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         out = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)

@@ -15,8 +15,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rayvllm import LLM  # noqa: E402
+from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
-from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 
 from hf_oracle import hf_greedy  # noqa: E402
 from test_spec_decode import ENGINE, GREEDY, NGRAM, repetitive_prompts  # noqa: E402
@@ -35,7 +35,7 @@ def test_async_llm_on_ray_with_ngram(ray_local: None, tiny_model_dir: Path) -> N
         args = EngineArgs(
             model=str(tiny_model_dir), distributed_executor_backend="ray", speculative_config=NGRAM, **ENGINE
         )
-        engine = AsyncLLM.from_engine_args(args)
+        engine = async_llm_from_engine_args(args)
         try:
             async def collect(i: int, prompt: list[int]) -> list[int]:
                 tokens: list[int] = []

@@ -20,6 +20,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from rayvllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from rayvllm.messages.errors import InvalidParameterError  # noqa: E402
@@ -173,7 +174,7 @@ def test_async_scheduling_and_preemption_keep_outputs(tiny_model_dir: Path, llm:
             outs = other.generate(prompts, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == expected
             if "num_gpu_blocks_override" in extra:
-                assert other.llm_engine.engine_core.scheduler.num_preemptions > 0
+                assert other.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
         finally:
             other.shutdown()
 
@@ -187,12 +188,14 @@ def test_resumed_request_continues_its_grammar(llm: LLM) -> None:
     assert len(full) > 6
     engine = llm.llm_engine
     request = engine.processor.process("resumed", "Answer in JSON: where", params)
-    core = engine.engine_core
-    core.add_request(dataclasses.replace(request, output_token_ids=full[:5]))
+    client = engine.engine_core
+    client.add_requests([dataclasses.replace(request, output_token_ids=full[:5])])
     rest: list[int] = []
-    while core.has_unfinished_requests():
-        for out in core.step():
+    finished = False
+    while not finished:
+        for out in client.step():
             rest += out.new_token_ids
+            finished = finished or out.finish_reason is not None
     assert full[:5] + rest == full
 
 
@@ -259,7 +262,7 @@ def test_killed_engine_resumes_constrained_streams(ray_local: None, tiny_model_d
     prompts, params, expected = _ray_case(llm)
 
     async def main() -> tuple[list[list[int]], int, int]:
-        engine = AsyncLLM.from_engine_args(
+        engine = async_llm_from_engine_args(
             EngineArgs(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
         )
         try:

@@ -14,6 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+from rayvllm.actors.factory import async_llm_from_engine_args
+
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.entrypoints.openai.chat_tools import ChatTools
@@ -133,7 +135,7 @@ def serving(tiny_model_dir: Path) -> Iterator[tuple[OpenAIServing, asyncio.Abstr
 
 
 async def _make_engine(args: EngineArgs) -> AsyncLLM:
-    return AsyncLLM.from_engine_args(args)
+    return async_llm_from_engine_args(args)
 
 
 async def _shutdown(engine: AsyncLLM) -> None:

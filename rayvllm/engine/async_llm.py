@@ -1,15 +1,16 @@
-"""The asyncio engine loop for serving: Processor -> EngineCore -> OutputProcessor.
+"""The asyncio engine loop for serving: Processor -> engine core client -> OutputProcessor.
 
 `AsyncLLM.generate` is an async generator of DELTA `RequestOutput`s; many
-run at once and one background task steps the engine for all of them.
+run at once and one background task takes the core's outputs for all of
+them (the core steps in its own loop, core_loop.py).
 
 Threading invariant: the Processor, the OutputProcessor and the per-request
-queues are touched only on the event loop; the engine core only on one
-dedicated step thread, so a blocking step (a forward, or a channel round
-trip to the SchedulerActor) never stalls the HTTP server. New requests and
-aborts reach the core in arrival order: the loop hands them to the engine
-core client (core_client.py) the moment it has them, from the event loop,
-while a step may be running on the step thread.
+queues are touched only on the event loop; the client's outputs are read
+only on one dedicated step thread, which waits for the core loop's pushes,
+so a blocking wait never stalls the HTTP server. New requests and aborts reach
+the core in arrival order: the loop hands them to the engine core client
+(core_client.py) the moment it has them, from the event loop, while the
+step thread waits.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayvllm.config import EngineConfig
-from rayvllm.config.engine_args import EngineArgs
-from rayvllm.engine.core_client import CoreRestarts, EngineCoreClient, make_client
+from rayvllm.engine.core_client import EngineCoreClient
+from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.frontend.metrics import EngineMetrics
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor, PromptType
@@ -32,7 +33,6 @@ from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, Inva
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
-from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.tokenizer import get_tokenizer
 
@@ -93,13 +93,16 @@ class AsyncLLM:
     bound. Beyond either, `add_request` raises `EngineOverloadedError`
     (HTTP 503). A step still running after
     `step_timeout_s` is taken for a hang: the engine is ended (a Ray engine
-    is then replaced and its requests resumed) and health says so."""
+    is then replaced and its requests resumed) and health says so.
+    `engine_core`: the client of the core it serves, started (which kind
+    is chosen above this package: rayvllm.actors.factory)."""
 
     def __init__(
-        self, config: EngineConfig, max_pending_requests: int | None = None, reserved_pg: Any = None,
+        self, config: EngineConfig, engine_core: EngineCoreClient, max_pending_requests: int | None = None,
         step_timeout_s: float | None = None, max_pending_prompt_tokens: int | None = None,
     ) -> None:
         self.config = config
+        self.engine_core = engine_core
         self.model_config = config.model_config
         self.served_model_name = config.model_config.served_model_name or config.model_config.model
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
@@ -120,7 +123,6 @@ class AsyncLLM:
         self._unprefilled: dict[str, int] = {}
         self._unprefilled_tokens = 0
         self.step_timeout_s = STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
-        self.engine_core: EngineCoreClient = make_client(config, reserved_pg)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
         self._started: set[str] = set()  # user requests whose prompt tokens were counted
@@ -129,24 +131,10 @@ class AsyncLLM:
         self._watchdog_task: asyncio.Task[None] | None = None
         self._step_started: float | None = None
         self._last_stats = 0.0
-        self.restarts = CoreRestarts(self.engine_core, self.output_processor)
+        self.restarts = RestartPolicy(self.engine_core, self.output_processor)
         self._core_failure: EngineDeadError | None = None
-        # While the loop replaces the core: what was admitted and aborted
-        # meanwhile (after the resumed requests were taken from the table),
-        # for the new core. None when no replacement is underway.
-        self._deferred: tuple[list[EngineCoreRequest], list[str]] | None = None
         self.dead_error: BaseException | None = None
         self._closed = False
-
-    @classmethod
-    def from_engine_args(
-        cls, args: EngineArgs, max_pending_requests: int | None = None, reserved_pg: Any = None,
-        max_pending_prompt_tokens: int | None = None,
-    ) -> "AsyncLLM":
-        return cls(
-            args.create_engine_config(), max_pending_requests=max_pending_requests, reserved_pg=reserved_pg,
-            max_pending_prompt_tokens=max_pending_prompt_tokens,
-        )
 
     @property
     def max_model_len(self) -> int:
@@ -195,11 +183,8 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._unprefilled[request_id] = prompt_tokens
         self._unprefilled_tokens += prompt_tokens
-        if self._deferred is not None:
-            self._deferred[0].extend(core_reqs)
-            self._wake()
-            return RequestStream(self, request_id, queue)
         try:
+            # While the core is replaced the client holds it for the new one.
             self.engine_core.add_requests(core_reqs)
         except EngineDeadError as e:
             # The core died while idle; the request stays in the table and
@@ -273,9 +258,6 @@ class AsyncLLM:
         self._abort_in_core(ids)
 
     def _abort_in_core(self, ids: list[str]) -> None:
-        if self._deferred is not None:
-            self._deferred[1].extend(ids)
-            return
         try:
             self.engine_core.abort_requests(ids)
         except EngineDeadError:
@@ -359,33 +341,19 @@ class AsyncLLM:
 
     async def _replace_core(self, failure: EngineDeadError) -> None:
         """Fail the requests `failure` blames, then a new core with every
-        other unfinished request resumed on it (`CoreRestarts`). Requests
-        admitted and aborted meanwhile go to the new core after those (the
-        old one is gone, and the send lock is the replacement's)."""
-        for request_id in self.restarts.drop_culprits(failure):
+        other unfinished request resumed on it (`RestartPolicy`). Requests
+        admitted and aborted meanwhile wait in the client and go to the
+        new core after those."""
+        for request_id in self.restarts.begin(failure):
             self._started.discard(request_id)
             self._prefilled(request_id)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(RequestFailedError(f"request {request_id} failed: {failure}"))
-        requests = self.output_processor.resumable_requests()
-        self._deferred = ([], [])
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._thread, self.restarts.replace_core, failure, requests
-            )
-        finally:
-            (added, aborted), self._deferred = self._deferred, None
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.restarts.replace, failure)
         # A failure found meanwhile (a health check) was this one.
         self._core_failure = None
         self.metrics.record_restart()
-        try:
-            if added:
-                self.engine_core.add_requests(added)
-            if aborted:
-                self.engine_core.abort_requests(aborted)
-        except EngineDeadError as e:
-            self._core_failed(e)  # the new core died already: the loop replaces it
 
     def _core_failed(self, failure: EngineDeadError) -> None:
         """The core was found dead outside a step: the loop replaces it."""
@@ -475,7 +443,7 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
-        self.restarts.closed = True
+        self.restarts.close()
         for task in (self._loop_task, self._watchdog_task):
             if task is not None:
                 task.cancel()

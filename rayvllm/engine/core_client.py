@@ -1,195 +1,288 @@
-"""The engine loop's one seam to the engine core: `make_client` returns the
-in-process core or the Ray client of the SchedulerActor behind the same
-interface, so `AsyncLLM` holds a client and never asks which one.
+"""The one client of an engine core, whatever runs it: `AsyncLLM`,
+`LLMEngine` and the offline `LLM` hold an `EngineCoreClient` and never ask
+which kind.
 
-Both take adds and aborts from any thread (the serving loop's), in order,
-and hand them to the core before it schedules: the Ray client sends each at
-once on its intake channel; the in-process client keeps them in a
-`RequestIntake` that its `step` drains first.
+Either way the core is driven by its own loop (core_loop.py), never by the
+client: inputs (`AddRequests`, `AbortRequests`) go out on one connection
+the moment the caller makes them, from any thread, in order; the loop
+pushes `EngineCoreOutputs` after every step on its own, so `step` here only
+reads what was pushed, and the loop's next step already runs while the
+caller turns the last one into text. Stats ride along with every push;
+`make_stats` costs no round trip. A new request's full data goes out once;
+the loop's steps then send the workers deltas.
+
+`InprocClient` runs the loop on a thread of this process over a local
+pipe; the Ray client (rayvllm.actors) runs it in a SchedulerActor over a
+socket. Which one is built is decided above this package and injected.
 """
 
 from __future__ import annotations
 
-import logging
-import time
+import dataclasses
+import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from rayvllm.config import EngineConfig
+from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine.intake import RequestIntake
-from rayvllm.frontend.output_processor import OutputProcessor
-from rayvllm.messages.engine_types import EngineCoreOutput, SchedulerStats
-from rayvllm.messages.errors import EngineDeadError, PlacementError, StepFailedError
+from rayvllm.engine.local_pipe import CoreConnection, local_pipe
+from rayvllm.executor.base import ExecutorFactory
+from rayvllm.messages.engine_types import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreFailure,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    KVOffloadStats,
+    PrefixCacheStats,
+    SchedulerStats,
+)
+from rayvllm.messages.errors import EngineDeadError, StepFailedError
 from rayvllm.messages.request import EngineCoreRequest
 
-if TYPE_CHECKING:
-    from rayvllm.engine.ray_core_client import RayEngineCoreClient
 
-logger = logging.getLogger(__name__)
+class EngineCoreClient(ABC):
+    """`add_requests`, `abort_requests`, `has_pending_intake` and `hold`
+    may be called from any thread, also while another is in `step`;
+    `step`, `make_stats` and `restart` from the one thread that steps.
 
-# A failure that recurs this many times with no step completed in between (a
-# request that kills every new core, say) is final.
-MAX_RESTARTS_IN_A_ROW = 3
+    Invariants: inputs reach the loop in the order they were made; while
+    held (from `hold` until `restart` succeeds) they wait here, in order,
+    and go to the new core after the resumed requests."""
 
+    # Whether a dead core can be replaced by a new one (`restart`).
+    can_restart = True
 
-class EngineCoreClient(Protocol):
-    """What the engine loop calls. `add_requests`, `abort_requests` and
-    `has_pending_intake` may be called from any thread, also during `step`;
-    the rest only from the one thread that steps."""
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._send_lock = threading.Lock()
+        self._held: list[EngineCoreInput] | None = None
+        self.conn: CoreConnection | None = None
 
-    def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
+    # ---- what a kind of core provides ------------------------------------------------
 
-    def abort_requests(self, request_ids: Iterable[str]) -> object: ...
+    @abstractmethod
+    def _launch(self) -> CoreConnection:
+        """Start a core and its loop; the connection to the loop, whose
+        first push (stats before any step) is still unread."""
 
-    def has_pending_intake(self) -> bool: ...
+    @abstractmethod
+    def _release(self, timeout_s: float) -> None:
+        """After the connection was closed: end the core (waiting up to
+        `timeout_s` for it to shut down cleanly) and free what it held.
+        Also for a core that is dead already or never started fully."""
 
-    def step(self) -> list[EngineCoreOutput]: ...
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if the core or any of its workers is dead."""
 
-    def make_stats(self) -> SchedulerStats: ...
-
-    def check_health(self) -> None: ...
-
-    def restart(self, requests: list[list[EngineCoreRequest]]) -> None:
-        """After `step` raised `EngineDeadError`: a new core in place of the
-        dead one, with `requests` added (each list in one call); raises
-        `EngineDeadError` when the core cannot be replaced."""
-        ...
-
+    @abstractmethod
     def kill(self) -> None:
         """End a hung core at once, from any thread: a `step` waiting on it
-        raises `EngineDeadError`. (An in-process core cannot be ended
-        under its own step; there this does nothing.)"""
-        ...
+        raises `EngineDeadError`. (A core on a thread of this process cannot
+        be ended under its own step; there this does nothing.)"""
 
-    def shutdown(self) -> None: ...
+    # ---- lifecycle -------------------------------------------------------------------
 
+    def _start(self) -> None:
+        conn = self._launch()
+        self.conn = conn
+        self._sent = 0  # inputs sent so far
+        # Request id -> the number of its add among the inputs sent, until a
+        # push reports it applied: outputs for that id in an earlier push are
+        # the previous request of the same id, finished here already.
+        self._added_at: dict[str, int] = {}
+        self._applied = 0  # of those, how many the loop has applied (as of its latest push)
+        self._prefix_stats = PrefixCacheStats()  # pushed since the last `make_stats`
+        self._offload_stats: KVOffloadStats | None = None  # likewise
+        self._stats: SchedulerStats | None = None
+        self._recv()  # the loop's first push: its stats before any step
 
-class InprocClient:
-    """The in-process `EngineCore` behind the client interface."""
+    def hold(self) -> None:
+        """Keep inputs here from now on, for the core that `restart` starts
+        (the table-owning thread calls it as it takes the requests to resume)."""
+        with self._send_lock:
+            if self._held is None:
+                self._held = []
 
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self.intake = RequestIntake()
+    def restart(self, requests: list[list[EngineCoreRequest]], shutdown_timeout_s: float) -> None:
+        """Replace the core (dead, or alive but failed) by a new one, add
+        `requests` to it (each list as one `add_requests`), then the inputs
+        held meanwhile. Raises what the start raised (the new core may die
+        too); the held inputs then stay held for the next try."""
+        self.hold()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+            self._release(shutdown_timeout_s)
+        try:
+            self._start()
+        except BaseException:
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
+            self._release(0.0)
+            raise
+        with self._send_lock:
+            held = self._held or []
+            self._send_now([AddRequests(list(group)) for group in requests] + held)
+            self._held = None
+
+    def shutdown(self) -> None:
+        if self.conn is None:
+            return
+        self.conn.close()  # the loop sees the end and stops
+        self.conn = None
+        self._release(60.0)
+
+    # ---- inputs (any thread) ---------------------------------------------------------
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        self.intake.add_requests(list(requests))
+        self._send(AddRequests(list(requests)))
+
+    def add_request_groups(self, groups: list[list[EngineCoreRequest]]) -> None:
+        """Several `add_requests` at once: the core applies all of them
+        before the same step (the offline engine's batch)."""
+        if groups:
+            self._send([AddRequests(list(group)) for group in groups])
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         ids = list(request_ids)
         if ids:
-            self.intake.abort_requests(ids)
+            self._send(AbortRequests(ids))
         return ids
 
+    def _send(self, message: EngineCoreInput | list[EngineCoreInput]) -> None:
+        with self._send_lock:
+            if self._held is not None:
+                self._held += message if isinstance(message, list) else [message]
+                return
+            self._send_now(message)
+
+    def _send_now(self, message: EngineCoreInput | list[EngineCoreInput]) -> None:
+        """Under the send lock. A list goes as one message: the loop takes
+        its inputs into its intake together."""
+        conn = self.conn
+        try:
+            if conn is None:
+                raise OSError("no engine core")
+            conn.send(message)
+        except OSError as e:
+            raise EngineDeadError(f"the engine core is gone: {e!r}") from e
+        for item in message if isinstance(message, list) else [message]:
+            self._sent += 1
+            if isinstance(item, AddRequests):
+                for request in item.requests:
+                    self._added_at[request.request_id] = self._sent
+
     def has_pending_intake(self) -> bool:
-        return self.intake.has_pending_intake()
+        """Inputs were made that the loop has not reported applied."""
+        return self._sent > self._applied or bool(self._held)
+
+    # ---- outputs (the stepping thread) -----------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        self.intake.drain_into(self.core)
-        return self.core.step()
+        """The outputs pushed since the last call, waiting for one push if
+        none has arrived. Call it only while requests are unfinished or
+        inputs pending: an idle loop pushes nothing."""
+        outputs = self._recv()
+        while self._ready():
+            outputs += self._recv()
+        return outputs
+
+    def _ready(self) -> bool:
+        assert self.conn is not None
+        try:
+            return self.conn.poll()
+        except (EOFError, OSError):
+            return True  # `_recv` raises the error
+
+    def _recv(self) -> list[EngineCoreOutput]:
+        conn = self.conn
+        try:
+            if conn is None:
+                raise EOFError("no engine core")
+            message = conn.recv()
+        except (EOFError, OSError) as e:
+            raise EngineDeadError(f"the engine core is gone: {e!r}") from e
+        if isinstance(message, EngineCoreFailure):
+            if message.culprits:
+                raise StepFailedError(f"the engine loop failed: {message.error}", message.culprits)
+            raise EngineDeadError(f"the engine loop failed: {message.error}")
+        assert isinstance(message, EngineCoreOutputs)
+        self._applied = applied = message.inputs_applied
+        outputs = message.outputs
+        if self._added_at:
+            with self._send_lock:
+                outputs = [o for o in outputs if self._added_at.get(o.request_id, 0) <= applied]
+                self._added_at = {rid: n for rid, n in self._added_at.items() if n > applied}
+        self._stats = message.scheduler_stats
+        self._prefix_stats.add(message.scheduler_stats.prefix_cache_stats)
+        offload = message.scheduler_stats.kv_offload_stats
+        if offload is not None:
+            self._offload_stats = self._offload_stats or KVOffloadStats()
+            self._offload_stats.add(offload)
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
-        return self.core.make_stats()
+        """The gauges as of the latest push, with the prefix-cache counts of
+        every push since the previous call (each counted exactly once)."""
+        assert self._stats is not None
+        prefix, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
+        offload, self._offload_stats = self._offload_stats, None
+        return dataclasses.replace(self._stats, prefix_cache_stats=prefix, kv_offload_stats=offload)
+
+
+class InprocClient(EngineCoreClient):
+    """The core and its loop in this process: the loop on a thread of its
+    own, over a local pipe. `engine_core` (vLLM's name) is the core, for
+    tests and tools to inspect; only the loop's thread changes it."""
+
+    # The core shares this process: what ended it is no worker's fault
+    # that a new one would escape.
+    can_restart = False
+
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+        super().__init__(config)
+        self.executor_factory = executor_factory
+        self.engine_core: EngineCore | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._start()
+
+    def _launch(self) -> CoreConnection:
+        core = self.engine_core = EngineCore(self.config, self.executor_factory)
+        client_end, loop_end = local_pipe()
+        # torch's thread count is per thread: the loop runs the forwards
+        # with this thread's.
+        num_threads = torch.get_num_threads()
+
+        def run() -> None:
+            torch.set_num_threads(num_threads)
+            EngineCoreLoop(core, loop_end).run()
+
+        self._loop_thread = threading.Thread(target=run, name="rayvllm-engine-loop", daemon=True)
+        self._loop_thread.start()
+        return client_end
+
+    def _release(self, timeout_s: float) -> None:
+        # The loop ends at the hang-up (after the step it is in); the core
+        # is shut down only after it, on this thread.
+        if self._loop_thread is not None:
+            self._loop_thread.join()
+            self._loop_thread = None
+        if self.engine_core is not None:
+            self.engine_core.shutdown()
+            self.engine_core = None
 
     def check_health(self) -> None:
-        self.core.check_health()
+        core = self.engine_core
+        if core is None:
+            raise EngineDeadError("the engine core was shut down")
+        core.check_health()
 
     def kill(self) -> None:
-        pass  # the step runs on this process's thread; nothing can end it
-
-    def restart(self, requests: list[list[EngineCoreRequest]]) -> None:
-        # The core shares this process: what killed it is no worker's fault
-        # that a new one would escape.
-        raise EngineDeadError("the in-process engine core failed and cannot be replaced")
-
-    def shutdown(self) -> None:
-        self.core.shutdown()
-
-
-def make_engine_core(config: EngineConfig, reserved_pg: Any = None) -> "EngineCore | RayEngineCoreClient":
-    """In-process core by default; the SchedulerActor on Ray when any
-    parallel size exceeds 1 or `distributed_executor_backend="ray"`
-    (`reserved_pg`: the Serve replica's placement group, for that case)."""
-    if config.parallel_config.use_ray:
-        from rayvllm.engine.ray_core_client import RayEngineCoreClient
-
-        return RayEngineCoreClient(config, reserved_pg)
-    return EngineCore(config)
-
-
-def make_client(config: EngineConfig, reserved_pg: Any = None) -> EngineCoreClient:
-    """The in-process core, or on Ray (any parallel size above 1, or
-    `distributed_executor_backend="ray"`) the SchedulerActor's client
-    (`reserved_pg`: the Serve replica's placement group, for that case)."""
-    core = make_engine_core(config, reserved_pg)
-    return InprocClient(core) if isinstance(core, EngineCore) else core
-
-
-class CoreRestarts:
-    """What the engine loop does when `step` raises `EngineDeadError`: a
-    new core in place of the failed one (a dead worker, scheduler actor or
-    node), with every unfinished request of the output processor (the
-    source of truth) resumed on it, so no request is lost and no token
-    repeated. A step that failed on a live worker names its culprits
-    (`StepFailedError`): they fail alone, the rest resume.
-
-    `drop_culprits` and `resumable` run on the thread that owns the output
-    processor, `replace_core` on the one that steps."""
-
-    def __init__(self, client: EngineCoreClient, output_processor: OutputProcessor) -> None:
-        self.client = client
-        self.output_processor = output_processor
-        self.in_a_row = 0
-        self.total = 0
-        # time.monotonic() when the current replacement began, else None.
-        self.restarting_since: float | None = None
-        # Set by the engine's shutdown: stop waiting for room.
-        self.closed = False
-        self.last_duration_s: float | None = None
-        # Attempts that found no room for the new core (each then tries again).
-        self.placement_waits = 0
-
-    def step_done(self) -> None:
-        self.in_a_row = 0
-
-    def drop_culprits(self, failure: EngineDeadError) -> list[str]:
-        """Forget the requests `failure` blames and return their user
-        request ids. A failure that blames none counts toward the limit:
-        past MAX_RESTARTS_IN_A_ROW with no step between, `failure` is
-        re-raised (each blaming failure removes requests, so those end)."""
-        culprits = failure.culprits if isinstance(failure, StepFailedError) else []
-        failed = self.output_processor.drop_requests(culprits)
-        if not failed:
-            if self.in_a_row >= MAX_RESTARTS_IN_A_ROW:
-                raise failure
-            self.in_a_row += 1
-        return failed
-
-    def replace_core(self, failure: EngineDeadError, requests: list[list[EngineCoreRequest]]) -> None:
-        """Start a new core with `requests` (`OutputProcessor.resumable_requests`);
-        re-raises `failure` when the core cannot be replaced (in-process)."""
-        logger.warning(
-            "engine core failed (%s); starting a new one and resuming %d requests",
-            failure, sum(len(group) for group in requests),
-        )
-        self.restarting_since = time.monotonic()
-        try:
-            while True:
-                try:
-                    self.client.restart(requests)
-                    break
-                except PlacementError as e:
-                    # No room for the engine now (a node lost, say): the
-                    # requests wait, health says so, and each attempt waits
-                    # placement_group_timeout_s for capacity to come back.
-                    if self.closed:
-                        raise failure from e
-                    self.placement_waits += 1
-                    logger.warning("no room for a new engine core yet (%s); trying again", e)
-                except Exception as e:  # noqa: BLE001 - Ray reports a failed start in many types
-                    raise failure from e
-        finally:
-            self.last_duration_s = time.monotonic() - self.restarting_since
-            self.restarting_since = None
-        self.total += 1
-        logger.warning("new engine core ready after %.1f s", self.last_duration_s)
+        pass  # the step runs on a thread of this process; nothing can end it

@@ -1,5 +1,7 @@
 """The loop that owns an engine core and pushes its outputs (vLLM's
-`EngineCoreProc` busy loop), run by the SchedulerActor for one client.
+`EngineCoreProc` busy loop): the one way a core is driven. The
+SchedulerActor runs it for its client over a socket; in-process it runs
+on a thread of the client's process over a local pipe (core_client.py).
 
 The client never drives steps: it sends inputs (`AddRequests`,
 `AbortRequests`) on one connection, in order, from any thread, and reads
@@ -8,7 +10,7 @@ inputs, steps the core while it has work and pushes after every step, so
 the next step is already running while the client turns the last one into
 text; with nothing to do it blocks on the connection.
 
-Ray-free: the actor hands it a connected socket (rpc_channel.py).
+Ray-free: it is handed a connected `CoreConnection` (local_pipe.py).
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
-from multiprocessing.connection import Connection
 
-from rayvllm.distributed.rpc_channel import hang_up
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine.local_pipe import CoreConnection
 from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreOutputs
 from rayvllm.messages.errors import StepFailedError
 
@@ -35,7 +36,7 @@ class EngineCoreLoop:
     when the client hangs up; on an error it pushes `EngineCoreFailure`
     first."""
 
-    def __init__(self, core: EngineCore, conn: Connection) -> None:
+    def __init__(self, core: EngineCore, conn: CoreConnection) -> None:
         self.core = core
         self.conn = conn
         self.intake = RequestIntake()
@@ -62,7 +63,7 @@ class EngineCoreLoop:
             except OSError:
                 pass
         finally:
-            hang_up(self.conn)
+            self.conn.close()
 
     def _push(self, message: EngineCoreOutputs | EngineCoreFailure) -> None:
         self.conn.send(message)
@@ -70,7 +71,11 @@ class EngineCoreLoop:
     def _read(self) -> None:
         try:
             while True:
-                self.intake.put(self.conn.recv())
+                message = self.conn.recv()
+                if isinstance(message, list):
+                    self.intake.put_all(message)  # sent together: applied together
+                else:
+                    self.intake.put(message)
         except (EOFError, OSError):
             pass
         finally:

@@ -22,7 +22,9 @@ next steps; it waits only while no rank has a finished step. Nor do they
 die together: when a rank's worker group dies, its requests move to a fresh
 scheduler of that rank (recomputed from prompt plus emitted tokens, as after
 a preemption), its group is rebuilt on a thread (rank_recovery.py), and the
-other ranks step on meanwhile; only a rebuild that fails ends the engine.
+other ranks step on meanwhile; a new group that fails as it starts is tried
+again (restart_policy.RestartLimits), and only a rebuild that keeps failing
+ends the core.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.rank_recovery import RankRecovery
-from rayvllm.executor.base import Executor, PendingOutput
-from rayvllm.executor.factory import create_executor
+from rayvllm.engine.restart_policy import RestartLimits
+from rayvllm.executor.base import Executor, ExecutorFactory, PendingOutput
 from rayvllm.kv_offload.factory import create_kv_tier
 from rayvllm.lora.slots import LoRASlots
 from rayvllm.messages.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
@@ -65,24 +67,26 @@ class EngineCore:
     routed to until it finishes."""
 
     # Not thread-safe: adds and aborts must come from the thread that steps
-    # (core_client.InprocClient queues them for it).
-    def __init__(
-        self, config: EngineConfig, executors: list[Executor] | None = None, reserved_pg: object = None
-    ) -> None:
-        """`reserved_pg`: a placement group Serve reserved for the worker
-        groups (opaque here; the Ray executors use it)."""
+    # (its loop, core_loop.py, takes them from an intake).
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+        """`executor_factory`: a new worker group for a DP rank (local or
+        on Ray: the caller decides), for each rank at the start and to
+        rebuild a rank whose group died."""
         self.config = config
-        self.reserved_pg = reserved_pg
+        self.executor_factory = executor_factory
         # DP ranks whose worker group is being rebuilt, and ranks a health
         # check found dead (added from the health check's thread, taken by
         # the stepping one). Set first: a failed start shuts down.
         self.recoveries: dict[int, RankRecovery] = {}
+        # The rule for starting a rank's group anew; a rebuilt group
+        # installed starts a new row.
+        self.rebuild_limits = RestartLimits()
         self._found_dead: set[int] = set()
         self.num_rank_rebuilds = 0
         self._wake_loop: Callable[[], None] | None = None
         pc = config.parallel_config
         dp = pc.data_parallel_size
-        self.executors = executors or [create_executor(config, rank, reserved_pg) for rank in range(dp)]
+        self.executors = [executor_factory(rank) for rank in range(dp)]
         try:
             num_blocks = min(executor.initialize() for executor in self.executors)
         except BaseException:
@@ -280,8 +284,8 @@ class EngineCore:
         for request in live:
             scheduler.add_request(Request(request.resumed()))
         self.recoveries[rank] = RankRecovery(
-            rank, self.executors[rank], lambda: create_executor(self.config, rank, self.reserved_pg),
-            self.config.cache_config.num_blocks, self._wake,
+            rank, self.executors[rank], lambda: self.executor_factory(rank),
+            self.config.cache_config.num_blocks, self._wake, self.rebuild_limits, cause,
         )
 
     def _tend_recoveries(self, block: bool) -> None:
@@ -304,6 +308,7 @@ class EngineCore:
                 raise EngineDeadError(f"DP rank {rank} could not be rebuilt: {recovery.error!r}")
             self.executors[rank] = recovery.executor
             self.num_rank_rebuilds += 1
+            self.rebuild_limits.step_done()
 
     def _wake(self) -> None:
         wake = self._wake_loop
@@ -327,6 +332,7 @@ class EngineCore:
                 self._wake()
 
     def shutdown(self) -> None:
+        self.rebuild_limits.close()
         for recovery in self.recoveries.values():
             recovery.cancel()
         for executor in self.executors:

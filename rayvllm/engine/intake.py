@@ -1,10 +1,10 @@
 """Adds and aborts on their way into an engine core, from any thread.
 
-The engine loop on the SchedulerActor (core_loop.py) has its channel's
-reader thread put every input here the moment it arrives, and the core
-takes them right before it schedules (`EngineCore.step`), so a request that
-arrives during a forward makes the very next step. The in-process client
-keeps one too: the serving event loop puts, the step thread drains.
+The engine loop (core_loop.py, on the SchedulerActor or on a thread of
+the client's process) has its connection's reader thread put every input
+here the moment it arrives, and the core takes them right before it
+schedules (`EngineCore.step`), so a request that arrives during a forward
+makes the very next step.
 
 Invariants: inputs are applied in the order they were put, so an abort
 never overtakes the add it names; `applied` counts every input applied so
@@ -42,6 +42,12 @@ class RequestIntake:
     def put(self, item: EngineCoreInput) -> None:
         with self._arrived:
             self._items.append(item)
+            self._arrived.notify_all()
+
+    def put_all(self, items: list[EngineCoreInput]) -> None:
+        """Several inputs at once: a step takes all of them or none."""
+        with self._arrived:
+            self._items.extend(items)
             self._arrived.notify_all()
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:

@@ -1,6 +1,8 @@
-"""The synchronous engine: Processor -> EngineCore -> OutputProcessor.
+"""The synchronous engine: Processor -> engine core client -> OutputProcessor.
 
-Used by the offline `LLM`; the async loop of the server wraps the same pieces.
+Used by the offline `LLM`; the async loop of the server wraps the same
+pieces. The core steps in its own loop (on a thread of this process, or in
+the SchedulerActor); `step` reads what it pushed.
 """
 
 from __future__ import annotations
@@ -9,20 +11,24 @@ from collections.abc import Iterable
 from typing import Any
 
 from rayvllm.config import EngineConfig
-from rayvllm.config.engine_args import EngineArgs
-from rayvllm.engine.core_client import CoreRestarts, make_engine_core
+from rayvllm.engine.core_client import EngineCoreClient
+from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor
 from rayvllm.messages.errors import EngineDeadError, StepFailedError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.tokenizer import get_tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`engine_core`: the client of the core it drives, started (which kind
+    is chosen above this package: rayvllm.actors.factory)."""
+
+    def __init__(self, config: EngineConfig, engine_core: EngineCoreClient) -> None:
         self.config = config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         self.processor = Processor(
@@ -30,19 +36,13 @@ class LLMEngine:
             max_n=config.scheduler_config.max_num_seqs, lora_config=config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = make_engine_core(config)
-        # On Ray a dead engine (a killed worker or SchedulerActor, a lost
-        # node) is replaced and its requests resumed from the output
-        # processor's table, as the serving engine does; an in-process core
-        # shares this process, so no new one would escape what ended it.
-        self.restarts = (
-            CoreRestarts(self.engine_core, self.output_processor)  # type: ignore[arg-type]
-            if config.parallel_config.use_ray else None
-        )
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+        self.engine_core = engine_core
+        # Requests added since the last step (each fan-out one group): they
+        # reach the core together, before its next step, as one batch.
+        self._unsent: list[list[EngineCoreRequest]] = []
+        # A dead engine (a killed worker or SchedulerActor, a lost node) is
+        # replaced and its requests resumed, as the serving engine does.
+        self.restarts = RestartPolicy(engine_core, self.output_processor)
 
     def add_request(
         self,
@@ -60,32 +60,47 @@ class LLMEngine:
             request_id, prompt, params, arrival_time=arrival_time, priority=priority, lora_request=lora_request
         )
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
-        self.engine_core.add_requests(core_reqs)
+        self._unsent.append(core_reqs)
+
+    def _send_added(self) -> None:
+        groups, self._unsent = self._unsent, []
+        self.engine_core.add_request_groups(groups)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         ids = self.output_processor.child_request_ids(request_ids)
+        self._send_added()  # an abort never overtakes the add it names
         self.engine_core.abort_requests(ids)
         return self.output_processor.abort_requests(ids)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
-        """One engine step's outputs. A request whose step raised on a live
-        worker raises here (offline, the caller sees it); a dead engine on
-        Ray is replaced and this step returns nothing new."""
+        """The outputs of the engine steps since the last call (waiting for
+        one when none is ready). A request whose step raised on a live
+        worker raises here (offline, the caller sees it); a dead engine is
+        replaced (`RestartPolicy`) and this call returns nothing new."""
+        if not self.has_unfinished_requests() and not self.engine_core.has_pending_intake():
+            return []  # an idle core pushes nothing
         try:
+            self._send_added()
             core_outputs = self.engine_core.step()
         except StepFailedError:
             raise
         except EngineDeadError as failure:
-            if self.restarts is None:
-                raise
-            self.restarts.drop_culprits(failure)  # blames none: past the limit in a row, re-raises
-            self.restarts.replace_core(failure, self.output_processor.resumable_requests())
+            self.restarts.begin(failure)
+            self.restarts.replace(failure)
             return []
-        if self.restarts is not None:
-            self.restarts.step_done()
+        self.restarts.step_done()
         result = self.output_processor.process_outputs(core_outputs)
         if result.reqs_to_abort:
             self.engine_core.abort_requests(result.reqs_to_abort)
+            if not self.has_unfinished_requests():
+                # The batch is done: the core has freed what those held
+                # (applied inputs are acknowledged by a push) before the
+                # caller looks.
+                try:
+                    while self.engine_core.has_pending_intake():
+                        self.engine_core.step()
+                except EngineDeadError:
+                    pass  # a dead core holds nothing; the next step replaces it
         return result.request_outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -95,4 +110,5 @@ class LLMEngine:
         return self.output_processor.get_num_unfinished_requests()
 
     def shutdown(self) -> None:
+        self.restarts.close()
         self.engine_core.shutdown()

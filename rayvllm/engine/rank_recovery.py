@@ -5,7 +5,10 @@ core moves the rank's requests onto a fresh scheduler (to be recomputed
 from prompt plus emitted tokens, as a preemption would) and hands the dead
 group to a `RankRecovery`, which tears it down and starts a new one on a
 thread of its own, so the loop keeps stepping every other rank meanwhile.
-The loop installs the new group when the thread is done.
+The loop installs the new group when the thread is done. A new group that
+fails as it starts is tried again under the engine's restart rule
+(`RestartLimits`); past its limit the rank's failure ends the core, which
+the client's `RestartPolicy` then replaces.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import logging
 import threading
 from collections.abc import Callable
 
+from rayvllm.engine.restart_policy import RestartLimits
 from rayvllm.executor.base import Executor
+from rayvllm.messages.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +32,7 @@ class RankRecovery:
 
     def __init__(
         self, dp_rank: int, dead: Executor, factory: Callable[[], Executor], min_blocks: int,
-        on_done: Callable[[], None],
+        on_done: Callable[[], None], limits: RestartLimits, cause: BaseException,
     ) -> None:
         self.dp_rank = dp_rank
         self.executor: Executor | None = None
@@ -36,6 +41,8 @@ class RankRecovery:
         self._factory = factory
         self._min_blocks = min_blocks
         self._on_done = on_done
+        self._limits = limits
+        self._cause = cause
         self._done = threading.Event()
         self._cancelled = False
         self._thread = threading.Thread(target=self._run, name=f"rayvllm-rebuild-dp{dp_rank}", daemon=True)
@@ -55,18 +62,10 @@ class RankRecovery:
     def _run(self) -> None:
         try:
             self._dead.shutdown()
-            executor = self._factory()
-            try:
-                num_blocks = executor.initialize()
-                if num_blocks < self._min_blocks:
-                    raise RuntimeError(
-                        f"the new worker group holds {num_blocks} KV blocks, fewer than the "
-                        f"{self._min_blocks} the rank's block pool addresses"
-                    )
-            except BaseException:
-                executor.shutdown()
-                raise
-            self.executor = executor
+            failure = EngineDeadError(f"DP rank {self.dp_rank} lost its worker group: {self._cause!r}")
+            self.executor = self._limits.start_until_running(
+                self._start, failure, f"worker group of DP rank {self.dp_rank}"
+            )
             logger.warning("DP rank %d: worker group rebuilt", self.dp_rank)
         except BaseException as e:  # noqa: BLE001 - reported to the loop, which ends the engine
             self.error = e
@@ -76,3 +75,17 @@ class RankRecovery:
             if self._cancelled and self.executor is not None:
                 self.executor.shutdown()
             self._on_done()
+
+    def _start(self) -> Executor:
+        executor = self._factory()
+        try:
+            num_blocks = executor.initialize()
+            if num_blocks < self._min_blocks:
+                raise RuntimeError(
+                    f"the new worker group holds {num_blocks} KV blocks, fewer than the "
+                    f"{self._min_blocks} the rank's block pool addresses"
+                )
+        except BaseException:
+            executor.shutdown()
+            raise
+        return executor

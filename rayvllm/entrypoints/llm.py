@@ -8,8 +8,8 @@ from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
+from rayvllm.actors.factory import llm_engine_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.engine.llm_engine import LLMEngine
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
@@ -30,7 +30,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         args = EngineArgs.from_dict({"model": model, **kwargs})
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.llm_engine = llm_engine_from_engine_args(args)
         self._counter = itertools.count()
 
     def shutdown(self) -> None:

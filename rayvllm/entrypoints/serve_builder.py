@@ -24,9 +24,9 @@ from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
+from rayvllm.actors.placement import deployment_bundles
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.server_args import ServerArgs
-from rayvllm.executor.placement import deployment_bundles
 from rayvllm.messages.errors import InvalidParameterError
 
 # `serve run <import path>` names its application "default"; the config file does too.

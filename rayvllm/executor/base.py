@@ -4,6 +4,7 @@ implement it, and the engine cannot tell them apart."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from rayvllm.config import EngineConfig
@@ -70,3 +71,8 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+# A new, uninitialised worker group for a data-parallel rank. The layer
+# that knows Ray (rayvllm.actors) decides local or Ray and hands it down.
+ExecutorFactory = Callable[[int], Executor]

@@ -18,8 +18,8 @@ from fastapi.responses import Response
 import ray
 from ray import serve
 
+from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.protocol import (
@@ -98,7 +98,7 @@ class LLMServer:
                 config.scheduler_config.max_num_batched_tokens, config.model_config.max_model_len
             )
         # Serve reserved the workers' bundles with this replica (build_app).
-        self.engine = AsyncLLM(
+        self.engine = async_llm_from_engine_args(
             config, max_pending_requests=max_pending_requests, max_pending_prompt_tokens=max_pending_prompt_tokens,
             reserved_pg=ray.util.get_current_placement_group(),
             step_timeout_s=server.step_timeout_s,

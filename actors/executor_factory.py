@@ -1,5 +1,9 @@
-"""The executor factory, above every executor class (base.py knows none of
-them, so no executor module imports another that imports it back)."""
+"""The worker group of a data-parallel rank, in-process or as Ray actors:
+decided here, above every executor class (none of them knows the other).
+
+Ray is imported only when the Ray kind is asked for: the in-process engine
+never loads it.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,9 @@ from rayvllm.executor.uniproc import UniProcExecutor
 def create_executor(config: EngineConfig, dp_rank: int = 0, reserved_pg: Any = None) -> Executor:
     """The worker group of one data-parallel rank: Ray actors when any
     parallel size exceeds 1 or the Ray backend is asked for, else in-process.
-    Ray is imported only then: the in-process core never loads it.
     `reserved_pg`: the Serve replica's placement group (see RayExecutor)."""
     if config.parallel_config.use_ray:
-        from rayvllm.executor.ray_executor import RayExecutor
+        from rayvllm.actors.ray_executor import RayExecutor
 
         return RayExecutor(config, dp_rank, reserved_pg)
     return UniProcExecutor(config)

@@ -19,11 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from rayvllm.actors.worker_actor import WorkerActor
-from rayvllm.config import EngineConfig
-from rayvllm.distributed.rpc_channel import ChannelClient, pickle_message
-from rayvllm.executor.base import Executor, PendingOutput
-from rayvllm.executor.placement import (
+from rayvllm.actors.placement import (
     RankPlacement,
     create_worker_placement_group,
     reserved_worker_placements,
@@ -31,6 +27,10 @@ from rayvllm.executor.placement import (
     remove_worker_placement_group,
     worker_group_name,
 )
+from rayvllm.actors.worker_actor import WorkerActor
+from rayvllm.config import EngineConfig
+from rayvllm.distributed.rpc_channel import ChannelClient, pickle_message
+from rayvllm.executor.base import Executor, PendingOutput
 from rayvllm.messages.engine_types import ModelRunnerOutput
 from rayvllm.messages.errors import DistributedInitError, EngineDeadError
 from rayvllm.messages.scheduler_output import SchedulerOutput

@@ -1,0 +1,96 @@
+"""The engine core in a `SchedulerActor` (its loop: core_loop.py), behind
+the one client interface (core_client.py), so `AsyncLLM` cannot tell it
+from the in-process core (docs/ARCHITECTURE.md, principle 1).
+
+One direct connection (rpc_channel.py says why not Ray calls) carries both
+ways; the actor serves it with the same loop the in-process client runs on
+a thread.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from rayvllm.actors.placement import remove_groups_made_by, remove_worker_placement_group, scheduler_actor_options
+from rayvllm.actors.scheduler_actor import SchedulerActor
+from rayvllm.config import EngineConfig, ParallelConfig
+from rayvllm.distributed.rpc_channel import connect
+from rayvllm.engine.core_client import EngineCoreClient
+from rayvllm.engine.local_pipe import CoreConnection, SocketConnection
+from rayvllm.messages.errors import EngineDeadError
+
+
+def ensure_ray_initialized(pc: ParallelConfig) -> None:
+    """Join the Ray cluster this process can find (RAY_ADDRESS or a local
+    `ray start`); otherwise start a local one with at least enough logical
+    CPUs for every worker rank, oversubscribing a small machine on purpose
+    (the ranks' torch threads are sized to the real cores)."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        return
+    except ConnectionError:
+        pass
+    needed = pc.data_parallel_size * pc.world_size * pc.num_cpus_per_worker
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), log_to_driver=False)
+
+
+class RayEngineCoreClient(EngineCoreClient):
+    """The core in a SchedulerActor, with the worker groups it owns."""
+
+    def __init__(self, config: EngineConfig, reserved_pg: Any = None) -> None:
+        """`reserved_pg`: the Serve replica's placement group (laid out by
+        `deployment_bundles`): the actor and the workers go in its bundles,
+        and Serve removes it all with the replica. Without it the engine
+        makes its own groups. At world size 1 with one DP rank the actor
+        runs the model itself (`scheduler_hosts_worker`). A new core after
+        a failure is placed like the first."""
+        super().__init__(config)
+        self.reserved_pg = reserved_pg
+        self.actor: Any = None
+        self._pg: Any = None
+        self._start()
+
+    def _launch(self) -> CoreConnection:
+        """Start a SchedulerActor (and through it the workers) and connect
+        to its loop."""
+        pc = self.config.parallel_config
+        ensure_ray_initialized(pc)
+        options, self._pg = scheduler_actor_options(pc, self.config.device, self.reserved_pg)
+        self.actor = SchedulerActor.options(**options).remote()
+        self.config.cache_config.num_blocks = ray.get(self.actor.start.remote(self.config, self.reserved_pg))
+        return SocketConnection(connect(*ray.get(self.actor.open_stream.remote())))
+
+    def _release(self, timeout_s: float) -> None:
+        actor = self.actor
+        if actor is None:
+            return
+        if timeout_s > 0:
+            try:
+                # Alive (a worker died, not the actor): it removes its
+                # workers' placement group, which it owns.
+                ray.get(actor.shutdown.remote(), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - dead or wedged: the kill below ends it
+                pass
+        actor_id = actor._actor_id.hex()
+        ray.kill(actor)
+        self.actor = None
+        remove_groups_made_by(actor_id)
+        if self._pg is not None:
+            remove_worker_placement_group(self._pg)
+            self._pg = None
+
+    def check_health(self) -> None:
+        actor = self.actor
+        if actor is None:
+            raise EngineDeadError("the scheduler actor is being replaced")
+        ray.get(actor.check_health.remote())
+
+    def kill(self) -> None:
+        actor = self.actor
+        if actor is not None:
+            ray.kill(actor)  # its connection closes: `step` raises EngineDeadError
