@@ -15,9 +15,11 @@ from __future__ import annotations
 import ast
 import functools
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,11 +43,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayvllm.entrypoints",),
     ("rayvllm",),
 ]
-
-# Arrows other work in flight removes (issue 26), by owner. Each must still
-# exist: an entry whose arrow is gone fails the test, so the set only shrinks.
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
-
 
 @dataclass(frozen=True)
 class Arrow:
@@ -128,11 +125,16 @@ def _layer_name(module: str) -> str:
     return f"L{index} {'/'.join(LAYERS[index])}"
 
 
-def _folder(module: str) -> str:
+def _top_folder(module: str) -> str:
     """The top folder a module lives in (`rayvllm.core.sched.scheduler`:
-    rayvllm.core); a folder's subfolders are part of it, so a cycle
-    between a subfolder and its parent is a file-level matter."""
+    rayvllm.core), its subfolders included."""
     return ".".join(module.split(".")[:2])
+
+
+def _own_folder(module: str) -> str:
+    """The folder a module's file sits in (`rayvllm.core.sched.scheduler`:
+    rayvllm.core.sched; a package's __init__ sits in its own folder)."""
+    return module if _modules()[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -199,47 +201,36 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     raise AssertionError(f"no cycle through {start}")
 
 
-def _checked_arrows() -> list[Arrow]:
-    """Every arrow but the known violations."""
-    return [a for a in _arrows() if (a.source, a.target) not in KNOWN_VIOLATIONS]
-
-
 def test_every_module_is_on_a_layer() -> None:
     for module in _modules():
         _layer_of(module)
 
 
 def test_no_arrow_points_up() -> None:
-    upward = sorted({str(a) for a in _checked_arrows() if _layer_of(a.target) > _layer_of(a.source)})
+    upward = sorted({str(a) for a in _arrows() if _layer_of(a.target) > _layer_of(a.source)})
     assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
 
 
 def test_no_file_cycle() -> None:
     graph: dict[str, set[str]] = {name: set() for name in _modules()}
-    for arrow in _checked_arrows():
+    for arrow in _arrows():
         graph[arrow.source].add(arrow.target)
     cycles = [" -> ".join(c) for c in _cycles(graph)]
     assert not cycles, "import cycles between files:\n" + "\n".join(cycles)
 
 
-def test_no_folder_cycle() -> None:
-    arrows = _checked_arrows()
-    graph: dict[str, set[str]] = {_folder(name): set() for name in _modules()}
+@pytest.mark.parametrize("folder", [_top_folder, _own_folder], ids=["top folders", "every folder"])
+def test_no_folder_cycle(folder: Callable[[str], str]) -> None:
+    arrows = _arrows()
+    graph: dict[str, set[str]] = {folder(name): set() for name in _modules()}
     for arrow in arrows:
-        if _folder(arrow.source) != _folder(arrow.target):
-            graph[_folder(arrow.source)].add(_folder(arrow.target))
+        if folder(arrow.source) != folder(arrow.target):
+            graph[folder(arrow.source)].add(folder(arrow.target))
     found = []
     for cycle in _cycles(graph):
-        witnesses = [next(str(a) for a in arrows if (_folder(a.source), _folder(a.target)) == step) for step in zip(cycle, cycle[1:])]
+        witnesses = [next(str(a) for a in arrows if (folder(a.source), folder(a.target)) == step) for step in zip(cycle, cycle[1:])]
         found.append(" -> ".join(cycle) + "\n    " + "\n    ".join(witnesses))
     assert not found, "import cycles between folders:\n" + "\n".join(found)
-
-
-def test_known_violations_still_exist() -> None:
-    """The list only shrinks: an arrow removed must leave it too."""
-    present = {(a.source, a.target) for a in _arrows()}
-    gone = sorted(f"{s} -> {t} ({owner})" for (s, t), owner in KNOWN_VIOLATIONS.items() if (s, t) not in present)
-    assert not gone, "known violations no longer in the code; remove them from KNOWN_VIOLATIONS:\n" + "\n".join(gone)
 
 
 def test_messages_import_nothing_above_them() -> None:

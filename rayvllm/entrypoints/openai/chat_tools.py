@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rayvllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from rayvllm.entrypoints.openai.tool_parsers.abstract_tool_parser import StreamedToolCalls, call_from_json
-from rayvllm.entrypoints.openai.tool_protocol import (
+from rayvllm.entrypoints.openai.tool_parsers.tool_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic import SerializerFunctionWrapHandler, model_serializer
 
 from rayvllm.entrypoints.openai.structured_request import StructuredOutputRequestFields
-from rayvllm.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall, ToolRequestFields
+from rayvllm.entrypoints.openai.tool_parsers.tool_protocol import DeltaToolCall, ToolCall, ToolRequestFields
 from rayvllm.messages.errors import InvalidParameterError, RayvllmError
 from rayvllm.messages.sampling_params import SamplingParams
 

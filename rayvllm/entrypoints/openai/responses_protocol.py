@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 
 from rayvllm.entrypoints.openai.protocol import OpenAIBaseModel, with_param
 from rayvllm.entrypoints.openai.structured_request import JsonSchemaResponseFormat
-from rayvllm.entrypoints.openai.tool_protocol import (
+from rayvllm.entrypoints.openai.tool_parsers.tool_protocol import (
     ChatCompletionToolsParam,
     FunctionDefinition,
     NamedToolChoice,

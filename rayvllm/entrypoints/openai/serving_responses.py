@@ -40,9 +40,9 @@ from rayvllm.entrypoints.openai.responses_protocol import (
     ResponsesResponse,
     ResponseUsage,
 )
-from rayvllm.entrypoints.openai.tool_protocol import DeltaToolCall
 from rayvllm.entrypoints.openai.serving import OpenAIServing, _named_for, _response_id, _Tally
 from rayvllm.entrypoints.openai.streams import EngineStreams, EventStream
+from rayvllm.entrypoints.openai.tool_parsers.tool_protocol import DeltaToolCall
 
 __all__ = ["OpenAIServingResponses"]
 

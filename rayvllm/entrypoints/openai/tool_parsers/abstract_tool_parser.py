@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayvllm.entrypoints.openai.tool_protocol import (
+from rayvllm.entrypoints.openai.tool_parsers.tool_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,

@@ -8,7 +8,7 @@ import json
 import re
 
 from rayvllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, call_from_json, partial_suffix
-from rayvllm.entrypoints.openai.tool_protocol import FunctionCall
+from rayvllm.entrypoints.openai.tool_parsers.tool_protocol import FunctionCall
 
 START, END = "<tool_call>", "</tool_call>"
 _CLOSED = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)

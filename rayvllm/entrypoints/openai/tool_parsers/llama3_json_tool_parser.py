@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from rayvllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, call_from_json
-from rayvllm.entrypoints.openai.tool_protocol import FunctionCall
+from rayvllm.entrypoints.openai.tool_parsers.tool_protocol import FunctionCall
 
 BOT = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
