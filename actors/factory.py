@@ -19,15 +19,17 @@ from rayvllm.engine.core_client import EngineCoreClient, InprocClient
 from rayvllm.engine.llm_engine import LLMEngine
 
 
-def make_engine_core(config: EngineConfig, reserved_pg: Any = None) -> EngineCoreClient:
-    """The core on a thread of this process by default; in a SchedulerActor
-    on Ray when any parallel size exceeds 1 or `distributed_executor_backend="ray"`
-    (`reserved_pg`: the Serve replica's placement group, for that case)."""
+def make_engine_core(config: EngineConfig, reserved_pg: Any = None, threaded: bool = True) -> EngineCoreClient:
+    """The core in this process by default (its loop on a thread of its own,
+    or with `threaded=False` on the caller's thread: `InprocClient`); in a
+    SchedulerActor on Ray when any parallel size exceeds 1 or
+    `distributed_executor_backend="ray"` (`reserved_pg`: the Serve
+    replica's placement group, for that case)."""
     if config.parallel_config.use_ray:
         from rayvllm.actors.ray_core_client import RayEngineCoreClient
 
         return RayEngineCoreClient(config, reserved_pg)
-    return InprocClient(config, lambda dp_rank: create_executor(config, dp_rank))
+    return InprocClient(config, lambda dp_rank: create_executor(config, dp_rank), threaded)
 
 
 def async_llm_from_engine_args(
@@ -42,6 +44,7 @@ def async_llm_from_engine_args(
 
 def llm_engine_from_engine_args(args: EngineArgs | EngineConfig) -> LLMEngine:
     """vLLM's `LLMEngine.from_engine_args`: the synchronous engine over the
-    core `make_engine_core` picks."""
+    core `make_engine_core` picks; in this process, its loop turns on the
+    caller's thread."""
     config = args.create_engine_config() if isinstance(args, EngineArgs) else args
-    return LLMEngine(config, make_engine_core(config))
+    return LLMEngine(config, make_engine_core(config, threaded=False))

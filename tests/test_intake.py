@@ -236,6 +236,33 @@ def test_the_inproc_client_drives_the_core_through_its_loop_on_a_thread() -> Non
     assert client.engine_core is None
 
 
+def test_the_offline_client_turns_the_same_loop_on_the_callers_thread() -> None:
+    """`threaded=False` (the offline engine): no loop thread; each `step`
+    runs one turn of the loop here (inputs taken, one core step, its push),
+    and an idle loop returns nothing rather than waiting for a push."""
+    from rayvllm.engine.core_client import InprocClient
+
+    _, ex = make_core(async_scheduling=False)
+    client = InprocClient(ex.config, lambda rank: ex, threaded=False)
+    try:
+        assert client._loop_thread is None
+        assert client.make_stats().num_running_reqs == 0  # the loop's first push
+        client.add_requests([request("a", max_tokens=2)])
+        assert ex.steps == []  # nothing runs until the caller steps
+        tokens = [t for out in client.step() for t in out.new_token_ids]
+        assert tokens == [7] and len(ex.steps) == 1 and not client.has_pending_intake()
+        tokens += [t for out in client.step() for t in out.new_token_ids]
+        assert tokens == [7, 7] and len(ex.steps) == 2
+        assert client.step() == [] and len(ex.steps) == 2  # idle: no step, no wait
+        client.abort_requests(["gone"])
+        assert client.has_pending_intake()
+        client.step()  # the abort is applied by a turn of its own
+        assert not client.has_pending_intake()
+    finally:
+        client.shutdown()
+    assert client.engine_core is None
+
+
 # ---- the engine loop that owns the core (core_loop.py) -------------------------------
 
 

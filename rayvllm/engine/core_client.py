@@ -11,8 +11,8 @@ caller turns the last one into text. Stats ride along with every push;
 `make_stats` costs no round trip. A new request's full data goes out once;
 the loop's steps then send the workers deltas.
 
-`InprocClient` runs the loop on a thread of this process over a local
-pipe; the Ray client (rayvllm.actors) runs it in a SchedulerActor over a
+`InprocClient` runs the loop in this process over a local pipe (on a
+thread of its own, or turn by turn on the offline caller's thread); the Ray client (rayvllm.actors) runs it in a SchedulerActor over a
 socket. Which one is built is decided above this package and injected.
 """
 
@@ -238,24 +238,36 @@ class EngineCoreClient(ABC):
 
 
 class InprocClient(EngineCoreClient):
-    """The core and its loop in this process: the loop on a thread of its
-    own, over a local pipe. `engine_core` (vLLM's name) is the core, for
-    tests and tools to inspect; only the loop's thread changes it."""
+    """The core and its loop in this process, over a local pipe.
+    `engine_core` (vLLM's name) is the core, for tests and tools to
+    inspect; only the loop's thread changes it.
+
+    `threaded`: the loop runs on a thread of its own (the serving engine,
+    whose event loop must never wait for a step). Otherwise `step` runs one
+    turn of the same loop on the caller's thread (the offline engine, whose
+    caller waits for every step anyway: a second thread there only takes
+    the GIL and a core from the forward; docs/BENCHMARKS.md)."""
 
     # The core shares this process: what ended it is no worker's fault
     # that a new one would escape.
     can_restart = False
 
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory, threaded: bool = True) -> None:
         super().__init__(config)
         self.executor_factory = executor_factory
+        self.threaded = threaded
         self.engine_core: EngineCore | None = None
         self._loop_thread: threading.Thread | None = None
+        self._inline_loop: EngineCoreLoop | None = None
         self._start()
 
     def _launch(self) -> CoreConnection:
         core = self.engine_core = EngineCore(self.config, self.executor_factory)
         client_end, loop_end = local_pipe()
+        if not self.threaded:
+            self._inline_loop = EngineCoreLoop(core, loop_end)
+            self._inline_loop.open()
+            return client_end
         # torch's thread count is per thread: the loop runs the forwards
         # with this thread's.
         num_threads = torch.get_num_threads()
@@ -268,12 +280,21 @@ class InprocClient(EngineCoreClient):
         self._loop_thread.start()
         return client_end
 
+    def step(self) -> list[EngineCoreOutput]:
+        loop = self._inline_loop
+        if loop is not None and not self._ready():
+            loop.run_once()
+            if not self._ready():
+                return []  # the loop had no work: nothing will be pushed
+        return super().step()
+
     def _release(self, timeout_s: float) -> None:
         # The loop ends at the hang-up (after the step it is in); the core
         # is shut down only after it, on this thread.
         if self._loop_thread is not None:
             self._loop_thread.join()
             self._loop_thread = None
+        self._inline_loop = None
         if self.engine_core is not None:
             self.engine_core.shutdown()
             self.engine_core = None

@@ -22,7 +22,7 @@ import traceback
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.local_pipe import CoreConnection
-from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreOutputs
+from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreInput, EngineCoreOutputs
 from rayvllm.messages.errors import StepFailedError
 
 logger = logging.getLogger(__name__)
@@ -42,40 +42,72 @@ class EngineCoreLoop:
         self.intake = RequestIntake()
 
     def run(self) -> None:
-        """Serve until the client hangs up (on the calling thread)."""
+        """Serve until the client hangs up (on the calling thread, one of
+        its own: a reader thread takes the inputs meanwhile)."""
         reader = threading.Thread(target=self._read, name="rayvllm-core-input", daemon=True)
         reader.start()
         try:
-            self._push(EngineCoreOutputs([], self.core.make_stats(), 0))
+            self.open()
             while not self.intake.closed:
-                if not self.core.has_work() and not self.intake.has_pending_intake():
+                if not self._has_work():
                     if not self.intake.wait_for_input():
                         break
-                outputs = self.core.step(self.intake)
-                self._push(EngineCoreOutputs(outputs, self.core.make_stats(), self.intake.applied))
+                self._step()
         except (EOFError, OSError):
             pass  # the client is gone; nobody is left to tell
         except BaseException as e:  # noqa: BLE001 - the client must hear why
-            logger.exception("engine loop failed")
-            culprits = e.culprits if isinstance(e, StepFailedError) else []
-            try:
-                self._push(EngineCoreFailure(f"{e!r}\n{traceback.format_exc()}", culprits))
-            except OSError:
-                pass
+            self._fail(e)
         finally:
             self.conn.close()
+
+    def open(self) -> None:
+        """The first push: the core's stats before any step."""
+        self._push(EngineCoreOutputs([], self.core.make_stats(), 0))
+
+    def run_once(self) -> None:
+        """One turn of `run` on the caller's thread (the offline engine,
+        whose caller waits for every step anyway): take the inputs that have
+        arrived, then step and push if there is work. An error is pushed as
+        `run` pushes it, and ends the loop."""
+        try:
+            while self.conn.poll():
+                self._take(self.conn.recv())
+            if self._has_work():
+                self._step()
+        except (EOFError, OSError):
+            self.conn.close()
+        except BaseException as e:  # noqa: BLE001 - the client must hear why
+            self._fail(e)
+            self.conn.close()
+
+    def _has_work(self) -> bool:
+        return self.core.has_work() or self.intake.has_pending_intake()
+
+    def _step(self) -> None:
+        outputs = self.core.step(self.intake)
+        self._push(EngineCoreOutputs(outputs, self.core.make_stats(), self.intake.applied))
+
+    def _fail(self, error: BaseException) -> None:
+        logger.exception("engine loop failed")
+        culprits = error.culprits if isinstance(error, StepFailedError) else []
+        try:
+            self._push(EngineCoreFailure(f"{error!r}\n{traceback.format_exc()}", culprits))
+        except OSError:
+            pass
 
     def _push(self, message: EngineCoreOutputs | EngineCoreFailure) -> None:
         self.conn.send(message)
 
+    def _take(self, message: EngineCoreInput | list[EngineCoreInput]) -> None:
+        if isinstance(message, list):
+            self.intake.put_all(message)  # sent together: applied together
+        else:
+            self.intake.put(message)
+
     def _read(self) -> None:
         try:
             while True:
-                message = self.conn.recv()
-                if isinstance(message, list):
-                    self.intake.put_all(message)  # sent together: applied together
-                else:
-                    self.intake.put(message)
+                self._take(self.conn.recv())
         except (EOFError, OSError):
             pass
         finally:
