@@ -72,13 +72,14 @@ class SharedRay:
             self.serve_up = True
 
     def close(self) -> None:
-        import ray
-        from ray import serve
-
         if self.serve_up:
+            from ray import serve
+
             serve.shutdown()  # also forgets this process's handle on the controller
             self.serve_up = False
         if self.up:
+            import ray
+
             ray.shutdown()
             self.up = False
 

@@ -14,14 +14,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import requests
 import yaml
 
-from rayvllm.entrypoints.serve_builder import SERVE_RUN_PORT_ENV, port_free, port_listening, wait_for_port
 from rayvllm.worker.worker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _builder() -> ModuleType:
+    """rayvllm's Serve builder (its port helpers), imported on first use:
+    it imports Ray, and conftest loads this harness on the GPU proof's
+    machine too, which has no Ray and starts no server."""
+    from rayvllm.entrypoints import serve_builder
+
+    return serve_builder
+
 START_TIMEOUT_S = 240.0
 
 
@@ -36,7 +46,7 @@ class ServeProcess:
         for port in ports:
             # A replica binds its port without SO_REUSEADDR: a previous
             # server's lingering connections would fail this one's start.
-            assert wait_for_port(port), f"port {port} is taken by a live server"
+            assert _builder().wait_for_port(port), f"port {port} is taken by a live server"
         # A local cluster of its own: without RAY_ADDRESS, `ray.init` joins
         # the cluster named in /tmp/ray/ray_current_cluster, which any
         # `ray start` or `ray.cluster_utils.Cluster` on the machine writes.
@@ -179,7 +189,7 @@ class ServeProcess:
         self._log.close()
         deadline = time.monotonic() + 60
         for port in self.ports:
-            while port_listening(port):
+            while _builder().port_listening(port):
                 assert time.monotonic() < deadline, f"port {port} still served after the server stopped"
                 time.sleep(0.5)  # waiting for another process's socket to close
 
@@ -190,7 +200,7 @@ def _serve() -> str:
 
 def free_port_pair() -> int:
     """A free port whose successor is free too: for `serve run <import path>`."""
-    while not port_free((port := free_port()) + 1):
+    while not _builder().port_free((port := free_port()) + 1):
         pass  # the proxy's port is taken: pick another pair
     return port
 
@@ -202,7 +212,7 @@ def serve_run(args: list[str], log_path: Path, port: int | None = None) -> Serve
     listens one port above (`ports[1]`)."""
     port = port or free_port_pair()
     return ServeProcess([_serve(), "run", *args], log_path, base_url=f"http://127.0.0.1:{port}",
-                        ports=(port, port + 1), env={SERVE_RUN_PORT_ENV: str(port)})
+                        ports=(port, port + 1), env={_builder().SERVE_RUN_PORT_ENV: str(port)})
 
 
 def serve_run_config(config: Path, log_path: Path) -> ServeProcess:
