@@ -242,3 +242,30 @@ def test_async_scheduling_schedules_against_tokens_in_flight() -> None:
     outs = sched.update_from_output(so3, ModelRunnerOutput(["a"], [13], None, {}))
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [13], FinishReason.LENGTH)]
     assert sched.requests == {} and sched.kv_cache_manager.usage == 0.0
+
+
+def test_a_reused_id_never_takes_the_results_of_steps_in_flight_for_its_predecessor() -> None:
+    """A request aborted while its steps are in flight, and a new request
+    added under the same id before they return (a client reusing its
+    request id): those steps' tokens belong to the aborted request and are
+    dropped; the new one starts from its own prompt (no KV, no tokens)."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, async_scheduling=True),
+        CacheConfig(block_size=4, enable_prefix_caching=True, num_blocks=20),
+        max_inflight_steps=2,
+    )
+    sched.add_request(make_request("x", [1, 2, 3, 4, 5, 6], max_tokens=8))
+    so1 = sched.schedule()
+    so2 = sched.schedule()  # both in flight
+    assert so1.num_scheduled_tokens == {"x": 6} and so2.num_scheduled_tokens == {"x": 1}
+    assert sched.abort_requests(["x"]) == ["x"]
+    sched.add_request(make_request("x", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=2))
+    assert sched.update_from_output(so1, ModelRunnerOutput(["x"], [11], None, {})) == []
+    assert sched.update_from_output(so2, ModelRunnerOutput(["x"], [12], None, {})) == []
+    new = sched.requests["x"]
+    assert new.num_output_tokens == 0 and new.num_inflight_steps == 0
+    so3 = sched.schedule()  # the new request's prefill, over the blocks the old one cached
+    assert so3.finished_req_ids == {"x"} and so3.num_scheduled_tokens == {"x": 9 - 4}  # 4: the cached first block
+    assert [r.req_id for r in so3.scheduled_new_reqs] == ["x"]
+    outs = sched.update_from_output(so3, ModelRunnerOutput(["x"], [21], None, {}))
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("x", [21])]

@@ -106,6 +106,10 @@ class Scheduler:
         self.loading: dict[str, Request] = {}
         # Requests finished since the last step; the workers drop their state.
         self.finished_req_ids: set[str] = set()
+        # Request id -> steps still in flight that were scheduled for an
+        # earlier request of that id, freed meanwhile: their results belong
+        # to it, never to a new request that reuses the id.
+        self._stale_steps: dict[str, int] = {}
         self.num_preemptions = 0
         # Per n > 1 parent: the sibling that computes the shared prompt first.
         self._prompt_leaders: dict[str, Request] = {}
@@ -146,6 +150,9 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.lora_slots is not None:
             self.lora_slots.release(request)
+        if request.num_inflight_steps:
+            rid = request.request_id
+            self._stale_steps[rid] = self._stale_steps.get(rid, 0) + request.num_inflight_steps
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -385,8 +392,17 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        stale: set[str] = set()  # scheduled for a request freed since (steps return in order)
         if self.track_inflight:
             for req_id in scheduler_output.num_scheduled_tokens:
+                left = self._stale_steps.get(req_id)
+                if left:
+                    stale.add(req_id)
+                    if left == 1:
+                        del self._stale_steps[req_id]
+                    else:
+                        self._stale_steps[req_id] = left - 1
+                    continue
                 live = self.requests.get(req_id)
                 if live is not None:
                     live.num_inflight_steps -= 1
@@ -403,7 +419,7 @@ class Scheduler:
         prompt_logprobs = runner_output.prompt_logprobs
         emitted: set[str] = set()
         for i, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
+            request = None if req_id in stale else self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             token = runner_output.sampled_token_ids[i]
@@ -424,9 +440,9 @@ class Scheduler:
             outputs.append(out)
             emitted.add(req_id)
         if runner_output.spec_decode is not None:
-            self._update_from_spec_decode(scheduler_output, runner_output.spec_decode, outputs, emitted)
+            self._update_from_spec_decode(scheduler_output, runner_output.spec_decode, outputs, emitted, stale)
         for req_id, pooled in runner_output.pooler_output.items():
-            request = self.requests.get(req_id)
+            request = None if req_id in stale else self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             self.running.remove(request)
@@ -453,6 +469,7 @@ class Scheduler:
         spec: SpecDecodeOutput,
         outputs: list[EngineCoreOutput],
         emitted: set[str],
+        stale: set[str],
     ) -> None:
         """Emit each verifying request's accepted run up to its first stop
         (the rest is dropped), take back the rejected drafts' computed
@@ -460,7 +477,7 @@ class Scheduler:
         stats = self.spec_decoding_stats
         assert stats is not None
         for req_id, tokens in spec.token_ids.items():
-            request = self.requests.get(req_id)
+            request = None if req_id in stale else self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             num_draft = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
@@ -487,7 +504,7 @@ class Scheduler:
             outputs.append(out)
             emitted.add(req_id)
         for req_id, drafts in spec.draft_token_ids.items():
-            request = self.requests.get(req_id)
+            request = None if req_id in stale else self.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING and not request.num_output_placeholders:
                 request.spec_token_ids = drafts
 
