@@ -6,22 +6,25 @@
 #   bash bench/gpu_proof.sh [DIR]          # results in DIR, else $OUT, else bench/results/gpu_proof
 #   bash bench/gpu_proof.sh --smoke [DIR]  # the same steps on the CPU at tiny sizes (CI)
 #
-# Steps, each under its own time limit. First the tests, side by side (at
-# most 150 s in all): the Triton kernel tests at full size, greedy parity
-# with transformers in float32 on CUDA and the bf16 logprob tolerance, the
-# attention-backend, CUDA-graph, GPU-setup and Ray-free test files. Then the
-# benches, one at a time (at most 300 s): the decode roofline at batch 64
-# and 256 with CUDA graphs, throughput against transformers (qwen3-0.6b
-# preset), the roofline in eager mode. With setup that is under 8.5 minutes,
-# and no step runs past GPU_PROOF_BUDGET_S (500 s) from the start. A failing
-# step is recorded and the next one runs. GPU_PROOF_STEPS=kernels,throughput
-# runs only those steps (to re-run what failed).
+# Steps, each under its own time limit, each reported as soon as it ends.
+# First the essentials, one at a time (under 5 minutes with setup): greedy
+# parity with transformers in float32 on CUDA (graphs, eager, chunked
+# prefill, the host KV tier, n-gram speculation) and the bf16 logprob
+# tolerance; the decode roofline at batch 64 with CUDA graphs; throughput
+# against transformers (qwen3-0.6b preset). Then the Triton kernel tests at
+# full size and the attention-backend, CUDA-graph, GPU-setup and Ray-free
+# test files side by side, the roofline at batch 256 with graphs and the
+# roofline in eager mode. No step runs past GPU_PROOF_BUDGET_S (500 s) from
+# the start. A failing step is recorded and the next one runs.
+# GPU_PROOF_STEPS=kernels,throughput runs only those steps (to re-run what
+# failed).
 #
 # Output: summary.md (each step's status, wall time and note, with the
 # versions), tables.md (every table the benches printed), versions.txt, and
 # each step's log and raw output under logs/, tables/, data/. When DIR is
 # $OUT (the device tool's folder, which returns at most 8 files), those
-# three folders are packed into steps.tar.gz (GPU_PROOF_PACK=0/1 overrides).
+# three folders are packed into steps.tar.gz after every step
+# (GPU_PROOF_PACK=0/1 overrides).
 #
 # Imports come from the checkout: bench/srcpath goes on PYTHONPATH, and its
 # sitecustomize maps rayvllm.kernels and rayvllm.actors as `pip install -e .`
@@ -37,7 +40,7 @@ DEST=""
 for arg in "$@"; do
     case $arg in
         --smoke) SMOKE=1 ;;
-        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) DEST=$arg ;;
     esac
 done
@@ -54,14 +57,22 @@ ONLY=${GPU_PROOF_STEPS:-}
 SCALE=1
 [ "$SMOKE" = 1 ] && SCALE=4
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_proof.XXXXXX")
-mkdir -p "$DEST/logs" "$DEST/tables" "$DEST/data"
+mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd -P)
+# Each step's raw output (logs/, tables/, data/): beside the summary, or,
+# when packing, in a scratch folder packed into DEST after every step, so
+# that a run killed at its limit still returns every result it has.
+RAW=$DEST
+[ "$PACK" = 1 ] && RAW=$WORK/raw
+mkdir -p "$RAW/logs" "$RAW/tables" "$RAW/data"
 # Each step's record: one line of `name status wall_s limit_s note` in
 # data/steps/NAME.tsv (tests run side by side, so one file each).
-STEPS=$DEST/data/steps
+STEPS=$RAW/data/steps
 mkdir -p "$STEPS"
-ORDER=(setup kernels gpu-parity attention-backends cuda-graph gpu-setup ray-free roofline-graphs throughput
-       roofline-eager)
+# The essentials first (parity, the decode roofline at batch 64 with
+# graphs, throughput against transformers), then the rest.
+ORDER=(setup gpu-parity roofline-graphs throughput kernels attention-backends cuda-graph gpu-setup ray-free
+       roofline-graphs-256 roofline-eager)
 START=$(date +%s)
 
 export PYTHONPATH="$REPO/bench/srcpath${PYTHONPATH:+:$PYTHONPATH}"
@@ -99,10 +110,10 @@ run_limited() {
     say "$name: running (limit ${limit}s): $*"
     local t0 t1
     t0=$(date +%s.%N)
-    if [ "$outfile" = "$DEST/logs/$name.log" ]; then
+    if [ "$outfile" = "$RAW/logs/$name.log" ]; then
         timeout -k 5 "$limit" "$@" < /dev/null > "$outfile" 2>&1
     else
-        timeout -k 5 "$limit" "$@" < /dev/null > "$outfile" 2> "$DEST/logs/$name.log"
+        timeout -k 5 "$limit" "$@" < /dev/null > "$outfile" 2> "$RAW/logs/$name.log"
     fi
     RC=$?
     t1=$(date +%s.%N)
@@ -124,7 +135,7 @@ pytest_step() {
     local name=$1 limit=$2 file=$3
     shift 3
     if [ "$HAVE_PYTEST" != 1 ]; then skip "$name" "pytest is not installed"; return; fi
-    local log=$DEST/logs/$name.log
+    local log=$RAW/logs/$name.log
     run_limited "$name" "$limit" "$log" "$PY" -m pytest -q -rfEs -p no:cacheprovider "$file" "$@" || return
     # pytest's last line: "3 passed, 2 skipped in 4.1s" (or "no tests ran").
     local counts status
@@ -141,21 +152,21 @@ pytest_step() {
 bench_step() {
     local name=$1 limit=$2
     shift 2
-    run_limited "$name" "$limit" "$DEST/tables/$name.txt" "$@" || return
+    run_limited "$name" "$limit" "$RAW/tables/$name.txt" "$@" || return
     local note status
     # The targets' verdicts (GPU), else throughput's rates.
-    note=$( (grep -E '^target ' "$DEST/tables/$name.txt" | sed -E 's/: step <=.*graphs: / /'
-             awk '/^(rayvllm|transformers) +[0-9]/ { print $1 " " $4 " tok/s" }' "$DEST/tables/$name.txt") \
+    note=$( (grep -E '^target ' "$RAW/tables/$name.txt" | sed -E 's/: step <=.*graphs: / /'
+             awk '/^(rayvllm|transformers) +[0-9]/ { print $1 " " $4 " tok/s" }' "$RAW/tables/$name.txt") \
         | tr '\n' ';' | sed 's/;$//')
     status=$(status_of "$RC")
     if [ "$status" = timeout ]; then
-        note="killed at its ${LIMIT} s limit: $(tail -n 1 "$DEST/logs/$name.log")"
+        note="killed at its ${LIMIT} s limit: $(tail -n 1 "$RAW/logs/$name.log")"
     elif [ "$RC" != 0 ]; then
-        note="$(tail -n 1 "$DEST/logs/$name.log")"
-    elif grep -q ' error: ' "$DEST/tables/$name.txt"; then
+        note="$(tail -n 1 "$RAW/logs/$name.log")"
+    elif grep -q ' error: ' "$RAW/tables/$name.txt"; then
         # throughput.py reports a failed engine child in its table and exits 0.
         status="failed (an engine errored)"
-        note="$(grep ' error: ' "$DEST/tables/$name.txt" | head -n 1 | tr -s ' ')"
+        note="$(grep ' error: ' "$RAW/tables/$name.txt" | head -n 1 | tr -s ' ')"
     fi
     record "$name" "$status" "$WALL" "$LIMIT" "$note"
 }
@@ -182,7 +193,7 @@ sys.exit(tuple(map(int, version("typing_extensions").split(".")[:3])) < (4, 14, 
             wheels+=("$w")
         done
         timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" \
-            "${wheels[@]}" > "$DEST/logs/setup-wheels.log" 2>&1 \
+            "${wheels[@]}" > "$RAW/logs/setup-wheels.log" 2>&1 \
             && export PYTHONPATH="$WORK/site:$PYTHONPATH" \
             && setup_notes+=("pydantic installed from .whl/")
     else
@@ -209,13 +220,13 @@ from_checkout() { grep -qxF "rayvllm.kernels from: $REPO/kernels/__init__.py" "$
 write_versions "$@"
 if ! from_checkout; then
     if [ "$SMOKE" != 1 ] && timeout 60 "$PY" -m pip install -q --no-build-isolation --no-deps -e "$REPO" \
-            > "$DEST/logs/setup-pip.log" 2>&1 && write_versions "$@" && from_checkout; then
+            > "$RAW/logs/setup-pip.log" 2>&1 && write_versions "$@" && from_checkout; then
         setup_notes+=("imports via pip install --no-build-isolation -e .")
     else
         setup_notes+=("$(grep '^rayvllm.kernels from:' "$DEST/versions.txt"), not the checkout's")
     fi
 fi
-command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi > "$DEST/logs/nvidia-smi.log" 2>&1
+command -v nvidia-smi > /dev/null && timeout 20 nvidia-smi > "$RAW/logs/nvidia-smi.log" 2>&1
 HAVE_PYTEST=0
 grep -q '^pytest: [0-9]' "$DEST/versions.txt" && HAVE_PYTEST=1
 HAVE_CUDA=0
@@ -233,6 +244,56 @@ setup_status=passed
 [ "$ENGINE_OK" = 1 ] || setup_status=failed
 record setup "$setup_status" "$(( $(date +%s) - t_setup ))" - "$(IFS=';'; echo "${setup_notes[*]:-imports from the checkout}")"
 
+# ---------------------------------------------------------------- report
+# report [final]: summary.md and tables.md from the steps recorded so far
+# (a step not yet run shows as 'not run'), and, when packing, the raw
+# outputs as steps.tar.gz. Called after every step, so that whatever ends
+# the run, what it has measured is already in DEST.
+report() {
+    local total=$(( $(date +%s) - START ))
+    {
+        echo "# GPU proof: $([ "$SMOKE" = 1 ] && echo 'CPU smoke run' || echo 'full run')"
+        echo
+        echo '```'
+        grep -E '^(date|commit|nvidia-smi|driver CUDA|nvcc|python|torch|triton|transformers|pydantic|CUDA device)' \
+            "$DEST/versions.txt"
+        grep -E '^(rayvllm.kernels from|engine import):' "$DEST/versions.txt"
+        echo '```'
+        echo
+        echo "Wall time ${total} s $([ "${1:-}" = final ] && echo 'in all' || echo 'so far') (budget ${BUDGET_S} s x ${SCALE})."
+        echo
+        echo "| step | status | wall s | limit s | note |"
+        echo "| --- | --- | --- | --- | --- |"
+        local step name status wall limit note
+        for step in "${ORDER[@]}"; do
+            if [ -f "$STEPS/$step.tsv" ]; then
+                IFS=$'\t' read -r name status wall limit note < "$STEPS/$step.tsv"
+                echo "| $name | $status | $wall | $limit | ${note//|//} |"
+            else
+                echo "| $step | not run | - | - | the script ended before it |"
+            fi
+        done
+    } > "$DEST/summary.md.tmp" && mv "$DEST/summary.md.tmp" "$DEST/summary.md"
+    {
+        echo "# Tables printed by the benches"
+        local f
+        for name in "${ORDER[@]}"; do
+            f=$RAW/tables/$name.txt
+            [ -s "$f" ] || continue
+            echo
+            echo "## $name"
+            echo
+            echo '```'
+            cat "$f"
+            echo '```'
+        done
+    } > "$DEST/tables.md.tmp" && mv "$DEST/tables.md.tmp" "$DEST/tables.md"
+    if [ "$PACK" = 1 ]; then
+        tar -czf "$DEST/steps.tar.gz.tmp" -C "$RAW" logs tables data && mv "$DEST/steps.tar.gz.tmp" "$DEST/steps.tar.gz"
+    fi
+}
+report
+
 # ---------------------------------------------------------------- steps
 # Smoke mode: pytest -k selections and bench sizes small enough for CI.
 if [ "$SMOKE" = 1 ]; then
@@ -241,12 +302,14 @@ if [ "$SMOKE" = 1 ]; then
     K_GRAPHS=(-k "test_capture_sizes or test_padded_size")
     K_SETUP=(-k "test_kv_cache_budget_arithmetic")
     DEVICE=cpu
-    ROOFLINE=(--preset tiny --batch-sizes 2,3 --context-len 12 --steps 2 --warmup-steps 1 --copy-mib 8)
+    B_FIRST=2 B_LATER=3
+    ROOFLINE=(--preset tiny --context-len 12 --steps 2 --warmup-steps 1 --copy-mib 8)
     THROUGHPUT=(--preset tiny --engines rayvllm,transformers --num-seqs 4 --min-len 8 --max-len 16)
 else
     K_KERNELS=() K_BACKENDS=() K_GRAPHS=() K_SETUP=()
     DEVICE=cuda
-    ROOFLINE=(--preset qwen3-0.6b --batch-sizes 64,256)
+    B_FIRST=64 B_LATER=256
+    ROOFLINE=(--preset qwen3-0.6b)
     # transformers' static batch: all 256 requests at once where their KV
     # cache (256 x 2048 positions, ~60 GB in bf16) fits beside the rest
     # (an H200), else two batches of 128 (an 80 GB H100).
@@ -255,7 +318,7 @@ else
     [ "${gib:-0}" -ge 120 ] && HF_BATCH=256
     # Issue 5's workload, one timed round; each engine child gets about half the step.
     THROUGHPUT=(--preset qwen3-0.6b --num-seqs 256 --min-len 100 --max-len 1024 --max-model-len 2048
-                --hf-batch "$HF_BATCH" --repeats 1 --timeout 65)
+                --hf-batch "$HF_BATCH" --repeats 1 --timeout 60)
 fi
 BENCH_OK=1
 BENCH_WHY=""
@@ -263,72 +326,55 @@ if [ "$SMOKE" != 1 ] && [ "$HAVE_CUDA" != 1 ]; then BENCH_OK=0; BENCH_WHY="no CU
 [ "$ENGINE_OK" = 1 ] || { BENCH_OK=0; BENCH_WHY="the engine does not import (see setup)"; }
 ENGINE_WHY="the engine does not import (see setup)"
 
-# The tests first, side by side: none times anything, and together they take
-# what the slowest takes. Then the benches, one at a time, alone on the device.
-pytest_step kernels 150 tests/test_triton_kernels.py "${XDIST_KERNELS[@]}" "${K_KERNELS[@]}" &
+# roofline NAME LIMIT_S BATCH_SIZES [ARGS...]
+roofline() {
+    local name=$1 limit=$2 sizes=$3
+    shift 3
+    if [ "$BENCH_OK" != 1 ]; then skip "$name" "$BENCH_WHY"; return; fi
+    bench_step "$name" "$limit" "$PY" bench/decode_roofline.py --device "$DEVICE" "${ROOFLINE[@]}" \
+        --batch-sizes "$sizes" "$@" --json-out "$RAW/data/$name.json"
+}
+
+# The essentials, one at a time, each reported as it ends: greedy parity
+# (float32, bf16 tolerance, the host KV tier, n-gram speculation), the
+# decode roofline at batch 64 with CUDA graphs, throughput against
+# transformers. Under 5 minutes with setup.
 if [ "$ENGINE_OK" = 1 ]; then
-    pytest_step gpu-parity 150 tests/test_gpu_parity.py "${XDIST_PARITY[@]}" &
-    pytest_step attention-backends 150 tests/test_attention_backends.py "${K_BACKENDS[@]}" &
+    pytest_step gpu-parity 90 tests/test_gpu_parity.py "${XDIST_PARITY[@]}"
+else
+    skip gpu-parity "$ENGINE_WHY"
+fi
+report
+roofline roofline-graphs 60 "$B_FIRST"
+report
+if [ "$BENCH_OK" = 1 ]; then
+    bench_step throughput 130 "$PY" bench/throughput.py --device "$DEVICE" "${THROUGHPUT[@]}" \
+        --log-dir "$RAW/logs/throughput" --json-out "$RAW/data/throughput.json"
+else
+    skip throughput "$BENCH_WHY"
+fi
+report
+
+# Then the other tests, side by side (none times anything; together they
+# take what the slowest takes), and the remaining benches alone.
+pytest_step kernels 120 tests/test_triton_kernels.py "${XDIST_KERNELS[@]}" "${K_KERNELS[@]}" &
+if [ "$ENGINE_OK" = 1 ]; then
+    pytest_step attention-backends 120 tests/test_attention_backends.py "${K_BACKENDS[@]}" &
     pytest_step cuda-graph 120 tests/test_cuda_graph.py "${K_GRAPHS[@]}" &
     pytest_step gpu-setup 120 tests/test_gpu_setup.py "${K_SETUP[@]}" &
     pytest_step ray-free 90 tests/test_ray_free.py &
 else
-    for name in gpu-parity attention-backends cuda-graph gpu-setup ray-free; do skip "$name" "$ENGINE_WHY"; done
+    for name in attention-backends cuda-graph gpu-setup ray-free; do skip "$name" "$ENGINE_WHY"; done
 fi
 wait
-if [ "$BENCH_OK" = 1 ]; then
-    bench_step roofline-graphs 90 "$PY" bench/decode_roofline.py --device "$DEVICE" "${ROOFLINE[@]}" \
-        --json-out "$DEST/data/roofline-graphs.json"
-    bench_step throughput 150 "$PY" bench/throughput.py --device "$DEVICE" "${THROUGHPUT[@]}" \
-        --log-dir "$DEST/logs/throughput" --json-out "$DEST/data/throughput.json"
-    bench_step roofline-eager 60 "$PY" bench/decode_roofline.py --device "$DEVICE" "${ROOFLINE[@]}" --enforce-eager \
-        --json-out "$DEST/data/roofline-eager.json"
-else
-    for name in roofline-graphs throughput roofline-eager; do skip "$name" "$BENCH_WHY"; done
-fi
+report
+roofline roofline-graphs-256 60 "$B_LATER"
+report
+roofline roofline-eager 75 "$B_FIRST,$B_LATER" --enforce-eager
+report final
 
-# ---------------------------------------------------------------- report
-TOTAL=$(( $(date +%s) - START ))
-{
-    echo "# GPU proof: $([ "$SMOKE" = 1 ] && echo 'CPU smoke run' || echo 'full run')"
-    echo
-    echo '```'
-    grep -E '^(date|commit|nvidia-smi|driver CUDA|nvcc|python|torch|triton|transformers|pydantic|CUDA device)' \
-        "$DEST/versions.txt"
-    grep -E '^(rayvllm.kernels from|engine import):' "$DEST/versions.txt"
-    echo '```'
-    echo
-    echo "Total wall time ${TOTAL} s (budget ${BUDGET_S} s x ${SCALE})."
-    echo
-    echo "| step | status | wall s | limit s | note |"
-    echo "| --- | --- | --- | --- | --- |"
-    for step in "${ORDER[@]}"; do
-        if [ -f "$STEPS/$step.tsv" ]; then
-            IFS=$'\t' read -r name status wall limit note < "$STEPS/$step.tsv"
-            echo "| $name | $status | $wall | $limit | ${note//|//} |"
-        else
-            echo "| $step | not run | - | - | the script ended before it |"
-        fi
-    done
-} > "$DEST/summary.md"
-{
-    echo "# Tables printed by the benches"
-    for name in "${ORDER[@]}"; do
-        f=$DEST/tables/$name.txt
-        [ -s "$f" ] || continue
-        echo
-        echo "## $name"
-        echo
-        echo '```'
-        cat "$f"
-        echo '```'
-    done
-} > "$DEST/tables.md"
 FAILED=0
-grep -qE '^\| [a-z-]+ \| (failed|timeout|not run)' "$DEST/summary.md" && FAILED=1
-if [ "$PACK" = 1 ]; then
-    tar -czf "$DEST/steps.tar.gz" -C "$DEST" logs tables data && rm -rf "$DEST/logs" "$DEST/tables" "$DEST/data"
-fi
+grep -qE '^\| [a-z0-9-]+ \| (failed|timeout|not run)' "$DEST/summary.md" && FAILED=1
 rm -rf "$WORK"
 cat "$DEST/summary.md"
 exit "$FAILED"

@@ -18,10 +18,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# The essentials first (parity, the roofline at the first batch size with
+# graphs, throughput), then the rest.
 STEPS = [
-    "setup", "kernels", "gpu-parity", "attention-backends", "cuda-graph", "gpu-setup", "ray-free",
-    "roofline-graphs", "throughput", "roofline-eager",
+    "setup", "gpu-parity", "roofline-graphs", "throughput", "kernels", "attention-backends", "cuda-graph",
+    "gpu-setup", "ray-free", "roofline-graphs-256", "roofline-eager",
 ]
+# Each roofline step's batch sizes at the smoke run's sizes (64 -> 2, 256 -> 3).
+ROOFLINE_SIZES = {"roofline-graphs": ["2"], "roofline-graphs-256": ["3"], "roofline-eager": ["2", "3"]}
 # The device tool returns at most this many files from its output folder.
 MAX_FILES_BACK = 8
 
@@ -70,7 +74,8 @@ def test_summary_lists_every_step_with_its_status(smoke: SmokeRun) -> None:
     assert re.fullmatch(r"\d+ skipped", rows["gpu-parity"][3])
     assert re.fullmatch(r"\d+ passed, \d+ deselected", rows["kernels"][3])
     assert re.fullmatch(r"rayvllm [0-9.]+ tok/s;transformers [0-9.]+ tok/s", rows["throughput"][3])
-    assert rows["roofline-graphs"][3].count("informational: CPU") == 2
+    for name, sizes in ROOFLINE_SIZES.items():
+        assert rows[name][3].count("informational: CPU") == len(sizes), rows[name]
 
 
 def test_versions_name_the_machine_and_the_checkout(smoke: SmokeRun) -> None:
@@ -90,27 +95,28 @@ def test_results_fit_what_the_device_tool_returns(smoke: SmokeRun) -> None:
     assert {"rayvllm", "transformers"} <= {p.stem for p in (smoke.unpacked / "logs" / "throughput").iterdir()}
     tables = smoke.text("tables.md")
     assert [line[3:] for line in tables.splitlines() if line.startswith("## ")] == [
-        "roofline-graphs", "throughput", "roofline-eager"
+        "roofline-graphs", "throughput", "roofline-graphs-256", "roofline-eager"
     ]
 
 
-@pytest.mark.parametrize("name", ["roofline-graphs", "roofline-eager"])
+@pytest.mark.parametrize("name", sorted(ROOFLINE_SIZES))
 def test_decode_roofline_cpu_table(smoke: SmokeRun, name: str) -> None:
-    """bench/decode_roofline.py at --batch-sizes 2,3 --context-len 12: a row
-    per B, a target line per B, informational on a CPU."""
+    """bench/decode_roofline.py at --context-len 12: a row per B, a target
+    line per B, informational on a CPU."""
+    sizes = ROOFLINE_SIZES[name]
     out = smoke.step_file(f"tables/{name}.txt")
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("B "))
     assert lines[header].split()[:4] == ["B", "context/seq", "step", "ms"]
-    rows = [line.split() for line in lines[header + 2 : header + 4]]
-    assert [r[0] for r in rows] == ["2", "3"]
+    rows = [line.split() for line in lines[header + 2 : header + 2 + len(sizes)]]
+    assert [r[0] for r in rows] == sizes
     for row in rows:
         # context, step ms, floor ms, bound, weights MB, KV MB, step/floor, % of roofline
         assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0 and row[4] in ("memory", "compute")
         assert float(row[5]) > 0 and float(row[6]) > 0 and float(row[7].rstrip("x")) > 0
         # Whole percent: a CPU step far off its floor (a loaded machine) prints 0%.
         assert row[8].endswith("%") and float(row[8].rstrip("%")) >= 0
-    assert sum(line.startswith("target B=") for line in lines) == 2
+    assert sum(line.startswith("target B=") for line in lines) == len(sizes)
     summary = json.loads(smoke.step_file(f"data/{name}.json"))
     # On a CPU the floor is the larger of the memory and the compute floor.
     assert summary["cuda_graphs"] is False and summary["copy_bandwidth_bytes_per_s"] > 0
