@@ -3,7 +3,7 @@
     python bench/decode_roofline.py [--preset qwen3-0.6b | --model DIR]
         [--device cuda] [--dtype bfloat16] [--batch-sizes 64,256]
         [--context-len 512] [--steps 50] [--warmup-steps 10]
-        [--enforce-eager] [--copy-mib 1024] [--json-out FILE]
+        [--enforce-eager] [--copy-mib 1024] [--json-out FILE] [--profile-out FILE]
 
 The issue's run on an H100 (CUDA graphs on, then eager to compare):
 
@@ -223,8 +223,42 @@ def time_decode(
         engine.step()
     timed = timer.steps[args.warmup_steps:wanted]
     timer.start(0)
+    if args.profile_out:
+        profile_steps(engine, batch, args)
     engine.abort_request(ids)
     return timed
+
+
+def profile_steps(engine: Any, batch: int, args: argparse.Namespace) -> None:
+    """Five more decode steps under torch.profiler, then five under
+    cProfile, appended to `--profile-out`: the ops by device time and by
+    host time, and the Python functions by cumulative time, so a step far
+    off its floor shows whether the device or the host holds it up."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.step()
+        if torch.cuda.is_available() and args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    with open(args.profile_out, "a") as f:
+        f.write(f"## B={batch}, 5 decode steps, {'eager' if args.enforce_eager else 'graphs where the device has them'}\n\n")
+        if args.device.startswith("cuda"):
+            f.write(table.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60) + "\n\n")
+        f.write(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60) + "\n\n")
+    python = cProfile.Profile()
+    python.runcall(lambda: [engine.step() for _ in range(5)])
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("cumulative").print_stats(45)
+    with open(args.profile_out, "a") as f:
+        f.write(f"## B={batch}, 5 more decode steps under cProfile\n\n{text.getvalue()}\n")
 
 
 def summarise(
@@ -278,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Room for the timed steps plus the chunked-prefill steps, in which early
     # sequences already decode; one block of slack.
     prefill_steps = -(-max(batches) * args.context_len // args.max_num_batched_tokens) + 1
-    max_tokens = args.warmup_steps + args.steps + prefill_steps + 16
+    max_tokens = args.warmup_steps + args.steps + prefill_steps + 16 + (10 if args.profile_out else 0)
 
     bandwidth = copy_bandwidth(device, args.copy_mib)
     weight_bytes = weight_bytes_per_step(model, dtype)
@@ -364,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's tensor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--profile-out", default=None, help="append a torch.profiler table of 5 more steps per B to FILE")
     return p
 
 

@@ -15,7 +15,7 @@ import torch
 from rayvllm import LLM, SamplingParams
 from rayvllm.config import ATTENTION_BACKEND_ENV
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.kernels import backends
+from rayvllm.kernels import backends, triton_attention, triton_kv_cache  # noqa: F401 (see below)
 from rayvllm.kernels.backends import FlashAttnBackend, TorchBackend, TritonBackend, select_attention_backend
 from rayvllm.kernels.kv_layout import KVCacheLayout
 from rayvllm.kernels.metadata import AttentionMetadata, VarlenMetadata
@@ -23,6 +23,10 @@ from rayvllm.messages.errors import InvalidParameterError
 
 from hf_oracle import hf_greedy
 
+# The Triton kernels are imported above, before any test here sets
+# TRITON_INTERPRET: `@triton.jit` reads it when it decorates, so a kernel
+# first imported inside a test that sets it would stay interpreted for the
+# rest of the session, on a GPU too.
 BF16 = torch.bfloat16
 
 

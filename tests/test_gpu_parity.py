@@ -142,7 +142,7 @@ def test_host_kv_tier_greedy_parity_on_cuda(gpu_models: dict[str, Path]) -> None
     model_dir = gpu_models["llama-d64-gqa2"]
     llm = LLM(
         model=str(model_dir), device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=2,
-        max_model_len=256, num_gpu_blocks_override=13, kv_offloading_size=1 / 1024,
+        max_model_len=128, num_gpu_blocks_override=13, kv_offloading_size=1 / 1024,
         kv_offloading_backend="native", enforce_eager=True,
     )
     docs = [[(7919 * i + 131 * d) % 4086 + 5 for i in range(64)] for d in range(4)]

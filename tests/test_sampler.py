@@ -13,6 +13,7 @@ import torch
 
 from rayvllm.messages.engine_types import LogprobsTensors
 from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.model_executor.prompt_logprobs import prompt_logprobs_tensors
 from rayvllm.model_executor.sampler import (
     Sampler,
     _Candidates,
@@ -663,3 +664,19 @@ def test_non_float32_logits_are_accepted() -> None:
     md = build_sampling_metadata([state(SamplingParams(temperature=0.0))], 3)
     assert int(Sampler()(logits, md).sampled_token_ids[0]) == 1
 
+
+
+@pytest.mark.parametrize("num_top", [0, 2])
+def test_prompt_logprobs_stay_on_the_logits_device(num_top: int) -> None:
+    """The prompt's target ids are made where the logits are: on a GPU a
+    host index tensor fails the gather (the meta device stands in here,
+    as it keeps every tensor's device without computing)."""
+    out = prompt_logprobs_tensors(torch.zeros(3, 10, device="meta"), [1, 2, 3], num_top)
+    assert {t.device.type for t in (out.logprob_token_ids, out.logprobs, out.ranks)} == {"meta"}
+    assert tuple(out.logprob_token_ids.shape) == (3, num_top + 1)
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 2.0, 1.0]])
+    lists = prompt_logprobs_tensors(logits, [1, 1], num_top).tolists()
+    expected = torch.log_softmax(logits, -1)
+    assert lists.logprob_token_ids == [[1, 2, 1][: num_top + 1], [1, 0, 1][: num_top + 1]]
+    assert lists.logprobs[0][0] == pytest.approx(expected[0, 1].item())
+    assert lists.ranks == [2, 2]

@@ -21,6 +21,11 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
     return LogprobsTensors(ids, vals, ranks)
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> LogprobsLists:
+def prompt_logprobs_tensors(logits: torch.Tensor, targets: list[int], num_top: int) -> LogprobsTensors:
+    """On `logits`' device: the targets go where the logits are."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return gather_logprobs(logprobs, torch.tensor(targets, dtype=torch.int64), num_top).tolists()
+    return gather_logprobs(logprobs, torch.tensor(targets, dtype=torch.int64, device=logits.device), num_top)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> LogprobsLists:
+    return prompt_logprobs_tensors(logits, targets, num_top).tolists()
