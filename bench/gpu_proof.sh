@@ -12,9 +12,9 @@
 # prefill, the host KV tier, n-gram speculation) and the bf16 logprob
 # tolerance; the decode roofline at batch 64 with CUDA graphs; throughput
 # against transformers (qwen3-0.6b preset). Then the Triton kernel tests at
-# full size and the attention-backend, CUDA-graph, GPU-setup and Ray-free
-# test files side by side, the roofline at batch 256 with graphs and the
-# roofline in eager mode. No step runs past GPU_PROOF_BUDGET_S (500 s) from
+# full size (attention, KV write, the fused elementwise kernels), the
+# attention-backend, CUDA-graph, GPU-setup and Ray-free test files side by
+# side, the roofline at batch 256 with graphs and the roofline in eager mode. No step runs past GPU_PROOF_BUDGET_S (500 s) from
 # the start. A failing step is recorded and the next one runs.
 # GPU_PROOF_STEPS=kernels,throughput runs only those steps (to re-run what
 # failed).
@@ -357,7 +357,7 @@ report
 
 # Then the other tests, side by side (none times anything; together they
 # take what the slowest takes), and the remaining benches alone.
-pytest_step kernels 120 tests/test_triton_kernels.py "${XDIST_KERNELS[@]}" "${K_KERNELS[@]}" &
+pytest_step kernels 120 tests/test_triton_kernels.py tests/test_triton_fused.py "${XDIST_KERNELS[@]}" "${K_KERNELS[@]}" &
 if [ "$ENGINE_OK" = 1 ]; then
     pytest_step attention-backends 120 tests/test_attention_backends.py "${K_BACKENDS[@]}" &
     pytest_step cuda-graph 120 tests/test_cuda_graph.py "${K_GRAPHS[@]}" &

@@ -44,6 +44,15 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def fused_gpu_kernels_apply(device: str, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` runs kernels/triton_fused.py:
+    on CUDA, in half precision (float32 is the parity mode and keeps torch's
+    ops), where Triton imports."""
+    return (
+        torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _importable("triton")
+    )
+
+
 class AttentionBackend(ABC):
     """A backend instance is shared by every attention layer of a runner.
 

@@ -246,7 +246,9 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def test_flash_attn_backend_in_the_engine(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Checks our plumbing, not flash-attn: the runner's varlen metadata
     (cu_seqlens_k from seq_start_loc, int32 table in batch order) through
-    the stand-in gives the torch backend's greedy tokens with 256-slot pages."""
+    the stand-in gives the torch backend's greedy tokens with 256-slot pages.
+    Eager: the stand-in reads its offsets on the host, which a CUDA graph
+    capture (on a GPU) cannot hold."""
     calls: list[dict] = []
     monkeypatch.setitem(sys.modules, "flash_attn", _stand_in_flash_attn(calls))
     monkeypatch.setattr(FlashAttnBackend, "unavailable_reason", classmethod(lambda cls, *args: None))
@@ -255,7 +257,7 @@ def test_flash_attn_backend_in_the_engine(tiny_model_dir: Path, monkeypatch: pyt
     for backend in ("flash_attn", "torch"):
         llm = LLM(
             model=str(tiny_model_dir), attention_backend=backend, block_size=256, max_num_seqs=4,
-            max_model_len=512, max_num_batched_tokens=256, kv_cache_memory_bytes=16 << 20,
+            max_model_len=512, max_num_batched_tokens=256, kv_cache_memory_bytes=16 << 20, enforce_eager=True,
         )
         tokens[backend] = _greedy(llm, prompts, 4)
     assert tokens["flash_attn"] == tokens["torch"]

@@ -9,15 +9,21 @@ from rayvllm.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
-    """`use_c_kernel` is set by the model once it knows its device and dtype."""
+    """`use_c_kernel` (the CPU's) and `use_triton_kernel` (a GPU's, half
+    precision) are set by the model once it knows its device and dtype."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_c_kernel = False
+        self.use_triton_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton_kernel:
+            from rayvllm.kernels import triton_fused
+
+            return triton_fused.add_rms_norm(x, None, self.weight, self.eps)[0]
         if self.use_c_kernel:
             shape = x.shape
             return cpu_ops.add_rms_norm(x.reshape(-1, shape[-1]), None, self.weight, self.eps).view(shape)
@@ -31,6 +37,10 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the decoder's pre-norm
         pattern. The C kernel updates `residual` in place and returns it."""
+        if self.use_triton_kernel:
+            from rayvllm.kernels import triton_fused
+
+            return triton_fused.add_rms_norm(x, residual, self.weight, self.eps)
         if self.use_c_kernel:
             return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x + residual

@@ -16,6 +16,7 @@ norms and computes logits, the others take and return (hidden, residual).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,7 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.use_c_kernels = False
+        self.use_triton_kernels = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -105,6 +107,12 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.use_triton_kernels:
+            from rayvllm.kernels import triton_fused
+
+            q = self._norm_rope(triton_fused, q, positions, self.q_norm)
+            k = self._norm_rope(triton_fused, k, positions, self.k_norm)
+            return self.o_proj(self.attn(q, k, v, metadata).view(-1, self.q_size))
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -119,6 +127,13 @@ class LlamaAttention(nn.Module):
             o = self.attn(q, k, v, metadata)
         return self.o_proj(o.view(-1, self.q_size))
 
+    def _norm_rope(
+        self, kernels: ModuleType, x: torch.Tensor, positions: torch.Tensor, norm: RMSNorm | None
+    ) -> torch.Tensor:
+        """One fused kernel: the head norm (when the model has one) and RoPE."""
+        weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        return kernels.norm_rope(x, positions, self.rotary.cos, self.rotary.sin, weight, eps)
+
 
 class LlamaMLP(nn.Module):
     """`intermediate` is this TP rank's slice of the intermediate size."""
@@ -129,9 +144,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, ctx)
         self.use_c_kernel = False
+        self.use_triton_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.use_triton_kernel:
+            from rayvllm.kernels import triton_fused
+
+            return self.down_proj(triton_fused.silu_and_mul(gate_up))
         if self.use_c_kernel:
             return self.down_proj(cpu_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -218,6 +238,16 @@ class LlamaForCausalLM(nn.Module):
                 module.use_c_kernel = cpu_ops.silu_and_mul_ahead()
             elif use_c_kernels and fused_kv_write and isinstance(module, LlamaAttention):
                 module.use_c_kernels = True
+
+    def optimize_for_gpu(self) -> None:
+        """After loading, for half precision on CUDA: the fused Triton
+        kernels (kernels/triton_fused.py) for norms, q/k norm + RoPE and
+        SiLU-and-mul. Float32, the parity mode, keeps torch's ops."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.use_triton_kernel = True
+            elif isinstance(module, LlamaAttention):
+                module.use_triton_kernels = True
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.kernels import cpu_ops
+from rayvllm.kernels.backends import fused_gpu_kernels_apply
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -92,4 +93,6 @@ def load_model(
     model.load_weights(iterate_weights(Path(model_dir), dtype))
     if device == "cpu" and dtype == torch.float32:
         model.optimize_for_cpu(use_c_kernels=cpu_ops.available(), fused_kv_write=fused_kv_write)
+    elif fused_gpu_kernels_apply(device, dtype):
+        model.optimize_for_gpu()
     return model.eval()
