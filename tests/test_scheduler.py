@@ -269,3 +269,24 @@ def test_a_reused_id_never_takes_the_results_of_steps_in_flight_for_its_predeces
     assert [r.req_id for r in so3.scheduled_new_reqs] == ["x"]
     outs = sched.update_from_output(so3, ModelRunnerOutput(["x"], [21], None, {}))
     assert [(o.request_id, o.new_token_ids) for o in outs] == [("x", [21])]
+
+
+def test_an_id_added_while_live_replaces_the_live_request() -> None:
+    """A second add under a live id (its client let the first go without
+    the abort reaching the core): the first is aborted, its blocks freed,
+    and the new one prefills from the prefix cache as any new request does,
+    rather than two requests sharing one id's KV bookkeeping."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
+        CacheConfig(block_size=4, enable_prefix_caching=True, num_blocks=20),
+    )
+    sched.add_request(make_request("x", [1, 2, 3, 4, 5, 6], max_tokens=8))
+    so1 = sched.schedule()
+    sched.update_from_output(so1, fake_run(so1, sched))
+    old = sched.requests["x"]
+    sched.add_request(make_request("x", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=2))
+    assert old.status == RequestStatus.FINISHED_ABORTED and old not in sched.running
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 20 - 1  # all but the null block
+    so2 = sched.schedule()
+    assert so2.finished_req_ids == {"x"} and so2.num_scheduled_tokens == {"x": 9 - 4}  # 4: the cached first block
+    assert [r.req_id for r in so2.scheduled_new_reqs] == ["x"]

@@ -11,6 +11,7 @@ A request whose next blocks sit in the second KV tier waits one step in
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -31,6 +32,8 @@ from rayvllm.messages.engine_types import (
 )
 from rayvllm.messages.request import FinishReason, RequestStatus
 from rayvllm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -124,6 +127,14 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """A request whose id is still live here replaces it: the client
+        holds one request per id, so the live one is an orphan its client
+        has let go of (and stays finished there), and two requests under one
+        id would share its KV bookkeeping."""
+        if request.request_id in self.requests:
+            logger.warning("request %s was added while one of that id was live; the old one is aborted",
+                           request.request_id)
+            self.abort_requests([request.request_id])
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
