@@ -175,11 +175,16 @@ class FakeEngine(ProcessorEngine):
                 prompt_logprobs=prompt_logprobs if step == 0 else None,
                 outputs=outputs,
                 finished=step == num_steps - 1,
-                num_cached_tokens=0,
+                num_cached_tokens=cached_tokens(request.prompt_token_ids),
             )
 
 
 # ---- fixtures and helpers --------------------------------------------------------------
+
+
+def cached_tokens(prompt_token_ids: list[int]) -> int:
+    """The fake engine's prefix-cache hits: half of every prompt."""
+    return len(prompt_token_ids) // 2
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +278,8 @@ def test_completion_response_json_and_usage(serving: OpenAIServing, engine: Fake
                 "prompt_logprobs": None,
             }
         ],
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": 3, "total_tokens": prompt_len + 3},
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": 3, "total_tokens": prompt_len + 3,
+                  "prompt_tokens_details": {"cached_tokens": prompt_len // 2}},
     }
     assert [r.request_id for r in engine.requests] == ["cmpl-test"]
     assert engine.finished == ["cmpl-test"] and engine.aborted == []
@@ -292,6 +298,7 @@ def test_multi_prompt_with_n_choice_indices_and_usage(serving: OpenAIServing, en
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 12,
         "total_tokens": prompt_tokens + 12,
+        "prompt_tokens_details": {"cached_tokens": sum(cached_tokens(engine.processor.tokenize(p)) for p in prompts)},
     }
     assert sorted(engine.finished) == ["r-0", "r-1"] and engine.aborted == []
 
@@ -382,6 +389,7 @@ def test_completion_stream_framing_indices_and_usage(serving: OpenAIServing, eng
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 12,
         "total_tokens": prompt_tokens + 12,
+        "prompt_tokens_details": {"cached_tokens": sum(cached_tokens(engine.processor.tokenize(p)) for p in prompts)},
     }
     assert engine.aborted == []
 
@@ -430,7 +438,8 @@ def test_chat_completion_response(serving: OpenAIServing, engine: FakeEngine) ->
                 "stop_reason": None,
             }
         ],
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": 3, "total_tokens": len(prompt_ids) + 3},
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": 3, "total_tokens": len(prompt_ids) + 3,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens(prompt_ids)}},
         "prompt_logprobs": None,
     }
 
@@ -466,7 +475,8 @@ def test_chat_stream(serving: OpenAIServing, engine: FakeEngine) -> None:
         "created": final["created"],
         "model": MODEL,
         "choices": [],
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": 6, "total_tokens": prompt_len + 6},
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": 6, "total_tokens": prompt_len + 6,
+                  "prompt_tokens_details": {"cached_tokens": prompt_len // 2}},
     }
 
 

@@ -20,6 +20,7 @@ from ray import serve
 
 from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.protocol import (
@@ -83,6 +84,7 @@ class LLMServer:
 
     def __init__(self, engine_args: dict[str, Any], **server_args: Any) -> None:
         """`server_args`: `ServerArgs` fields; an unset one takes its default there."""
+        bind_direct_ingress_with_reuse_address()
         server = ServerArgs.from_dict(server_args)
         max_pending_requests = server.max_pending_requests
         max_pending_prompt_tokens = server.max_pending_prompt_tokens

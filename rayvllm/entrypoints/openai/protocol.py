@@ -427,10 +427,18 @@ class ChatCompletionRequest(ToolRequestFields, _ChatTemplateOptions, _Generation
 # ---- generation responses ------------------------------------------------------------
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    """OpenAI's `usage.prompt_tokens_details`: `cached_tokens` of the prompt
+    were served from the prefix cache, not computed."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo = Field(default_factory=PromptTokenUsageInfo)
 
 
 class PromptLogprob(OpenAIBaseModel):

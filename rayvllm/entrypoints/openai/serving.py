@@ -46,6 +46,7 @@ from rayvllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelList,
+    PromptTokenUsageInfo,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -74,6 +75,8 @@ class _PromptState:
     text: str | None
     # Accumulated over DELTA outputs (the engine may send them in chunks).
     logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    # Prefix-cache hits of the prompt; the same for every choice of it.
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -119,6 +122,7 @@ class _Tally:
             prompt = self.prompts[prompt_index] = _PromptState(list(out.prompt_token_ids), out.prompt)
         if out.prompt_logprobs:
             prompt.logprobs.extend(out.prompt_logprobs)
+        prompt.num_cached_tokens = max(prompt.num_cached_tokens, out.num_cached_tokens or 0)
         touched: list[tuple[_ChoiceState, CompletionOutput]] = []
         for delta in out.outputs:
             choice = self.choice(prompt_index * self.n + delta.index)
@@ -142,6 +146,9 @@ class _Tally:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(
+                cached_tokens=sum(p.num_cached_tokens for p in self.prompts if p is not None)
+            ),
         )
 
 
