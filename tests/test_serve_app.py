@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import random
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,31 @@ def test_streamed_completion_equals_unstreamed(client: "openai.OpenAI") -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client: "openai.OpenAI", route: str) -> None:
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`: 0 for a prompt
+    the cache has never seen, then its full 16-token blocks (the last token
+    is always computed), streamed or not."""
+    rng = random.Random(f"cached-{route}")
+    ids = [rng.randrange(5, 4000) for _ in range(40)]
+    if route == "completions":
+        def call(**kwargs: Any) -> Any:
+            return client.completions.create(model="tiny", prompt=ids, max_tokens=2, **kwargs)
+    else:
+        text = " ".join(str(i) for i in ids)
+
+        def call(**kwargs: Any) -> Any:
+            return client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2, **kwargs
+            )
+    first = call()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    prompt_tokens = first.usage.prompt_tokens
+    assert call().usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+    chunks = list(call(stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
 
 
 def test_sse_framing_ends_with_done(server: ServeProcess) -> None:
