@@ -336,22 +336,24 @@ roofline() {
 # The essentials, one at a time, each reported as it ends: greedy parity
 # (float32, bf16 tolerance, the host KV tier, n-gram speculation), the
 # decode roofline at batch 64 with CUDA graphs, throughput against
-# transformers. Under 5 minutes with setup.
+# transformers. Under 5 minutes with setup. A smoke run times nothing, so
+# there every step runs at once (`ordered` backgrounds it) and the report
+# comes at the end.
+ordered() {
+    if [ "$SMOKE" = 1 ]; then "$@" & else "$@"; report; fi
+}
 if [ "$ENGINE_OK" = 1 ]; then
-    pytest_step gpu-parity 90 tests/test_gpu_parity.py "${XDIST_PARITY[@]}"
+    ordered pytest_step gpu-parity 90 tests/test_gpu_parity.py "${XDIST_PARITY[@]}"
 else
     skip gpu-parity "$ENGINE_WHY"
 fi
-report
-roofline roofline-graphs 60 "$B_FIRST"
-report
+ordered roofline roofline-graphs 60 "$B_FIRST"
 if [ "$BENCH_OK" = 1 ]; then
-    bench_step throughput 180 "$PY" bench/throughput.py --device "$DEVICE" "${THROUGHPUT[@]}" \
+    ordered bench_step throughput 180 "$PY" bench/throughput.py --device "$DEVICE" "${THROUGHPUT[@]}" \
         --log-dir "$RAW/logs/throughput" --json-out "$RAW/data/throughput.json"
 else
     skip throughput "$BENCH_WHY"
 fi
-report
 
 # Then the other tests, side by side (none times anything; together they
 # take what the slowest takes), and the remaining benches alone.
@@ -364,11 +366,10 @@ if [ "$ENGINE_OK" = 1 ]; then
 else
     for name in attention-backends cuda-graph gpu-setup ray-free; do skip "$name" "$ENGINE_WHY"; done
 fi
+[ "$SMOKE" = 1 ] || { wait; report; }
+ordered roofline roofline-graphs-256 60 "$B_LATER"
+ordered roofline roofline-eager 75 "$B_FIRST,$B_LATER" --enforce-eager
 wait
-report
-roofline roofline-graphs-256 60 "$B_LATER"
-report
-roofline roofline-eager 75 "$B_FIRST,$B_LATER" --enforce-eager
 report final
 
 FAILED=0
