@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayvllm.config import EngineConfig
+from rayvllm.core.replica_router import ReplicaLoad, encode_report
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.frontend.metrics import EngineMetrics
@@ -472,6 +473,20 @@ class AsyncLLM:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
         return self.processor.render_chat(messages, **options)
+
+    def routing_report(self) -> dict[str, Any]:
+        """What a request router across replicas weighs this engine by
+        (`encode_report`): its load as of the latest push, the prompt
+        tokens admitted and not yet prefilled, and the routing keys of the
+        blocks its core caches."""
+        stats = self.engine_core.latest_stats
+        load = ReplicaLoad(
+            num_running=stats.num_running_reqs if stats is not None else 0,
+            num_waiting=stats.num_waiting_reqs if stats is not None else 0,
+            num_queued_tokens=self._unprefilled_tokens,
+            kv_usage=stats.kv_cache_usage if stats is not None else 0.0,
+        )
+        return encode_report(load, self.engine_core.cached_block_keys)
 
     async def render_metrics(self) -> tuple[bytes, str]:
         """The Prometheus text of fresh metrics, and its Content-Type."""

@@ -62,6 +62,9 @@ class EngineCoreClient(ABC):
         self._send_lock = threading.Lock()
         self._held: list[EngineCoreInput] | None = None
         self.conn: CoreConnection | None = None
+        # The routing keys of the blocks the core caches, as its block
+        # events tell them (each new core's first push resets them).
+        self.cached_block_keys: set[bytes] = set()
 
     # ---- what a kind of core provides ------------------------------------------------
 
@@ -221,6 +224,12 @@ class EngineCoreClient(ABC):
                 outputs = [o for o in outputs if self._added_at.get(o.request_id, 0) <= applied]
                 self._added_at = {rid: n for rid, n in self._added_at.items() if n > applied}
         self._stats = message.scheduler_stats
+        events = message.scheduler_stats.block_events
+        if events is not None:
+            if events.reset:
+                self.cached_block_keys = set()
+            self.cached_block_keys.difference_update(events.evicted)
+            self.cached_block_keys.update(events.stored)
         self._prefix_stats.add(message.scheduler_stats.prefix_cache_stats)
         offload = message.scheduler_stats.kv_offload_stats
         if offload is not None:
@@ -228,13 +237,18 @@ class EngineCoreClient(ABC):
             self._offload_stats.add(offload)
         return outputs
 
+    @property
+    def latest_stats(self) -> SchedulerStats | None:
+        """The latest push's stats, read without consuming anything."""
+        return self._stats
+
     def make_stats(self) -> SchedulerStats:
         """The gauges as of the latest push, with the prefix-cache counts of
         every push since the previous call (each counted exactly once)."""
         assert self._stats is not None
         prefix, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
         offload, self._offload_stats = self._offload_stats, None
-        return dataclasses.replace(self._stats, prefix_cache_stats=prefix, kv_offload_stats=offload)
+        return dataclasses.replace(self._stats, prefix_cache_stats=prefix, kv_offload_stats=offload, block_events=None)
 
 
 class InprocClient(EngineCoreClient):

@@ -22,7 +22,7 @@ import traceback
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.local_pipe import CoreConnection
-from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreInput, EngineCoreOutputs
+from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreInput, EngineCoreOutputs, SchedulerStats
 from rayvllm.messages.errors import StepFailedError
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class EngineCoreLoop:
 
     def open(self) -> None:
         """The first push: the core's stats before any step."""
-        self._push(EngineCoreOutputs([], self.core.make_stats(), 0))
+        self._push(EngineCoreOutputs([], self._stats(), 0))
 
     def run_once(self) -> None:
         """One turn of `run` on the caller's thread (the offline engine,
@@ -85,7 +85,13 @@ class EngineCoreLoop:
 
     def _step(self) -> None:
         outputs = self.core.step(self.intake)
-        self._push(EngineCoreOutputs(outputs, self.core.make_stats(), self.intake.applied))
+        self._push(EngineCoreOutputs(outputs, self._stats(), self.intake.applied))
+
+    def _stats(self) -> SchedulerStats:
+        """Each push carries the block events since the previous one."""
+        stats = self.core.make_stats()
+        stats.block_events = self.core.take_block_events()
+        return stats
 
     def _fail(self, error: BaseException) -> None:
         logger.exception("engine loop failed")

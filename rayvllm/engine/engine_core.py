@@ -37,6 +37,7 @@ from multiprocessing.connection import wait
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.dp_router import DPRouter, RankLoad
+from rayvllm.core.block_events import BlockEventLog, ListenerFanout
 from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
@@ -46,7 +47,7 @@ from rayvllm.engine.restart_policy import RestartLimits
 from rayvllm.executor.base import Executor, ExecutorFactory, PendingOutput
 from rayvllm.kv_offload.factory import create_kv_tier
 from rayvllm.lora.slots import LoRASlots
-from rayvllm.messages.engine_types import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from rayvllm.messages.engine_types import BlockEvents, EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from rayvllm.messages.errors import EngineDeadError, StepFailedError
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.scheduler_output import SchedulerOutput
@@ -106,6 +107,7 @@ class EngineCore:
         self.max_inflight = max(pc.pipeline_parallel_size, 2 if config.scheduler_config.async_scheduling else 1)
         caching = config.cache_config.enable_prefix_caching
         self.prefix_index = PrefixIndex(dp) if caching and dp > 1 else None
+        self.block_events = BlockEventLog(dp) if caching else None
         self.schedulers = [self._make_scheduler(rank) for rank in range(dp)]
         self.router = DPRouter(dp, config.cache_config.block_size, self.prefix_index)
         self.inflight: list[deque[_InflightStep]] = [deque() for _ in range(dp)]
@@ -117,12 +119,13 @@ class EngineCore:
     def _make_scheduler(self, rank: int) -> Scheduler:
         pc = self.config.parallel_config
         index = self.prefix_index
+        listeners = [x.listener(rank) for x in (index, self.block_events) if x is not None]
         return Scheduler(
             self.config.scheduler_config,
             self.config.cache_config,
             send_token_ids=pc.world_size > 1,
             max_inflight_steps=self.max_inflight,
-            listener=index.listener(rank) if index is not None else None,
+            listener=ListenerFanout(*listeners) if len(listeners) > 1 else (listeners[0] if listeners else None),
             kv_tier=create_kv_tier(self.config, index.tier_listener(rank) if index is not None else None),
             speculative_config=self.config.speculative_config,
             can_speculate=can_speculate if self.config.speculative_config is not None else None,
@@ -260,6 +263,11 @@ class EngineCore:
             taken.append((rank, step, result))
         return taken
 
+    def take_block_events(self) -> BlockEvents | None:
+        """The block events since the previous call (each reported once:
+        only the loop's push should take them)."""
+        return self.block_events.drain() if self.block_events is not None else None
+
     def make_stats(self) -> SchedulerStats:
         stats = [s.make_stats() for s in self.schedulers]
         if len(stats) == 1:
@@ -278,6 +286,8 @@ class EngineCore:
         live = sorted(self.schedulers[rank].requests.values(), key=lambda r: r.arrival_time)
         if self.prefix_index is not None:
             self.prefix_index.clear_rank(rank)
+        if self.block_events is not None:
+            self.block_events.clear_rank(rank)
         preempted = self.schedulers[rank].num_preemptions
         scheduler = self.schedulers[rank] = self._make_scheduler(rank)
         scheduler.num_preemptions = preempted  # a cumulative count the metrics difference

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
@@ -125,6 +126,8 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
         return False
     if any(a.startswith("-") for a in argv[2:]) or Path(argv[2]).is_file():
         return False  # options, or a config file: `serve run` applies them itself
+    if any(a.startswith("num_replicas=") and a != "num_replicas=1" for a in argv[3:]):
+        return False  # direct ingress is one replica per port: several take Serve's proxy
     if ray.is_initialized() or any(k.startswith("RAY_SERVE_") and "DIRECT_INGRESS" in k for k in os.environ):
         return False
     from ray._private.services import canonicalize_bootstrap_address
@@ -175,9 +178,24 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
     options = replica_placement(engine)
     options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
+    options["num_replicas"] = server.num_replicas
+    if server.num_replicas > 1 and server.request_router == "kv":
+        options["request_router_config"] = kv_router_config(engine, given["model"])
     if server.disable_access_log:
         options["logging_config"] = LoggingConfig(enable_access_log=False)
     return LLMServer.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
+
+
+def kv_router_config(engine: EngineArgs, model: str) -> RequestRouterConfig:
+    """The KV-aware router (entrypoints/kv_router.py), with replicas
+    reporting their cached blocks every second."""
+    from rayvllm.entrypoints.kv_router import KVAwareRequestRouter
+
+    return RequestRouterConfig(
+        request_router_class=KVAwareRequestRouter,
+        request_router_kwargs={"block_size": engine.block_size, "model": model},
+        request_routing_stats_period_s=1.0,
+    )
 
 
 def replica_placement(engine: EngineArgs) -> dict[str, Any]:

@@ -76,6 +76,17 @@ def hash_block_tokens(
     return BlockHash(h.digest())
 
 
+# Bytes of a block hash that routing across replicas keeps: 8 of SHA-256's
+# 32 make a replica's block events and reports a quarter of the size, and
+# a collision (2**-64 per pair) could at worst send one request to a
+# replica without its prefix.
+ROUTING_KEY_BYTES = 8
+
+
+def routing_key(block_hash: BlockHash) -> bytes:
+    return block_hash[:ROUTING_KEY_BYTES]
+
+
 def request_extra_keys(cache_salt: str | None, lora_int_id: int | None = None) -> ExtraKeys | None:
     """Extra keys for a request's *first* block: its cache salt and its
     LoRA adapter (the same tokens under another adapter have other KV).

@@ -222,6 +222,19 @@ class KVOffloadStats:
 
 
 @dataclass
+class BlockEvents:
+    """The routing keys (`routing_key`) of the blocks an engine core's pools
+    began and stopped caching since its previous push, over all its DP
+    ranks. `reset`: the first push of a new core, whose pools start empty;
+    replaying every push since the last reset reproduces the core's cached
+    set exactly."""
+
+    stored: list[bytes] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
+    reset: bool = False
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
@@ -232,6 +245,7 @@ class SchedulerStats:
     num_rank_rebuilds: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None
     kv_offload_stats: KVOffloadStats | None = None
+    block_events: BlockEvents | None = None
 
     @classmethod
     def combine(cls, per_rank: list["SchedulerStats"]) -> "SchedulerStats":

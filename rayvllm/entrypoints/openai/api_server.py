@@ -226,10 +226,13 @@ class LLMServer:
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        session_id: str | None = None,
     ) -> RequestOutput:
         """The finished `RequestOutput` (as `LLM.generate` returns it).
         Without `lora_request`, a handle's `multiplexed_model_id` that names
-        a served adapter picks it."""
+        a served adapter picks it. `session_id`: requests of one session go
+        to one replica while it is not overloaded (the KV-aware router reads
+        it; the replica itself ignores it)."""
         final: RequestOutput | None = None
         async for out in self.engine.generate(
             prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex,
@@ -245,14 +248,20 @@ class LLMServer:
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """DELTA `RequestOutput`s as tokens arrive; call through
-        `handle.options(stream=True)`; the adapter as in `generate`."""
+        `handle.options(stream=True)`; the adapter and session as in `generate`."""
         async for out in self.engine.generate(
             prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex,
             lora_request=lora_request or await self._multiplexed_adapter(),
         ):
             yield out
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing-stats hook: the load and cached blocks the
+        KV-aware request router (entrypoints/kv_router.py) ranks replicas by."""
+        return self.engine.routing_report()
 
     async def check_health(self) -> None:
         """Serve's replica health hook: a failing engine gets the replica

@@ -29,6 +29,10 @@ def default_max_pending_prompt_tokens(max_num_batched_tokens: int, max_model_len
     return max(PENDING_PREFILL_STEPS * max_num_batched_tokens, PENDING_MAX_LEN_PROMPTS * max_model_len)
 
 
+# How requests are spread over replicas (`request_router`).
+REQUEST_ROUTERS = ("kv", "pow2")
+
+
 class ServerArgs(BaseModel):
     """Options of the server itself (not of the engine); `rayvllm serve`
     takes each as a `--flag`."""
@@ -76,12 +80,24 @@ class ServerArgs(BaseModel):
     allow_runtime_lora_updating: bool = Field(
         False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
     )
+    num_replicas: int = Field(1, ge=1, description="Serve replicas of the server, each with its own engine")
+    request_router: str = Field(
+        "kv", description="with more than one replica: 'kv' sends each request where its prefix is cached, "
+        "weighed against load; 'pow2' is Serve's own power-of-two-choices router",
+    )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServerArgs":
         """From a plain dict whose values may be text, converted by each
         field's type; errors name the offending keys."""
         return validate_args(cls, data)
+
+    @field_validator("request_router")
+    @classmethod
+    def _known_router(cls, value: str) -> str:
+        if value not in REQUEST_ROUTERS:
+            raise ValueError(f"unknown request_router {value!r}; expected one of {', '.join(REQUEST_ROUTERS)}")
+        return value
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -1,0 +1,167 @@
+"""Pick the Serve replica for a request: the one that can start it soonest,
+counting its cached prefix as work it does not have to do.
+
+A replica's cost for a request is the prefill queued ahead of it plus the
+part of the request's prompt it has not cached: ``queued_tokens +
+prompt_tokens - hit_tokens``. A long hit wins while its replica's queue is
+short; as a hot prefix piles requests onto one replica its queue grows
+until recomputing the prefix elsewhere is cheaper, so the prefix spreads
+instead of drowning one replica. A session (the `x-session-id` header or
+the `user` field) stays on its replica while that replica is not
+overloaded. Ties go to fewer running requests, then the replica id.
+
+Ray-free: the Serve request router (entrypoints/kv_router.py) feeds the
+index from the replicas' reports and asks `rank_replicas`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rayvllm.messages.block_hash import ROUTING_KEY_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One replica's load as it last reported it: requests running and
+    waiting, prompt tokens still to prefill (waiting and partly prefilled
+    requests), and the fraction of its KV blocks in use."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_tokens: int = 0
+    kv_usage: float = 0.0
+
+
+def encode_report(load: ReplicaLoad, keys: Iterable[bytes]) -> dict[str, Any]:
+    """A replica's report as Serve carries it (its `record_routing_stats`):
+    plain values, the keys packed into one bytes string."""
+    return {
+        "num_running": load.num_running,
+        "num_waiting": load.num_waiting,
+        "num_queued_tokens": load.num_queued_tokens,
+        "kv_usage": load.kv_usage,
+        "block_keys": b"".join(keys),
+    }
+
+
+def decode_report(report: dict[str, Any]) -> tuple[ReplicaLoad, list[bytes]]:
+    """`encode_report`'s inverse; a report without keys (none yet) is idle and empty."""
+    load = ReplicaLoad(
+        int(report.get("num_running", 0)), int(report.get("num_waiting", 0)),
+        int(report.get("num_queued_tokens", 0)), float(report.get("kv_usage", 0.0)),
+    )
+    packed: bytes = report.get("block_keys", b"")
+    n = ROUTING_KEY_BYTES
+    return load, [packed[i : i + n] for i in range(0, len(packed) - n + 1, n)]
+
+
+class ReplicaPrefixIndex:
+    """Per replica, the routing keys (`routing_key`) of the blocks it caches.
+
+    Fed two ways: `replace` with a replica's own report (authoritative: what
+    it evicted disappears), and `add` when a request is sent there (the
+    replica will have cached those blocks once it prefills them, so a
+    follow-up routed before the next report still finds them). `forget`
+    drops a replica that left. Invariant: `_holders[k]` is exactly the set
+    of replicas whose `_keys` contain `k`, and no holder set is empty.
+    """
+
+    def __init__(self) -> None:
+        self._keys: dict[str, set[bytes]] = {}
+        self._holders: dict[bytes, set[str]] = {}
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._keys)
+
+    def num_blocks(self, replica: str) -> int:
+        return len(self._keys.get(replica, ()))
+
+    def replace(self, replica: str, keys: Iterable[bytes]) -> None:
+        new = set(keys)
+        old = self._keys.get(replica, set())
+        for key in old - new:
+            self._drop(key, replica)
+        for key in new - old:
+            self._holders.setdefault(key, set()).add(replica)
+        self._keys[replica] = new
+
+    def add(self, replica: str, keys: Iterable[bytes]) -> None:
+        held = self._keys.setdefault(replica, set())
+        for key in keys:
+            if key not in held:
+                held.add(key)
+                self._holders.setdefault(key, set()).add(replica)
+
+    def forget(self, replica: str) -> None:
+        for key in self._keys.pop(replica, set()):
+            self._drop(key, replica)
+
+    def prefix_hits(self, keys: Sequence[bytes], replicas: Iterable[str]) -> dict[str, int]:
+        """For each of `replicas`, how many leading blocks of `keys` it holds
+        (a chain: a later block is useless without the earlier ones)."""
+        hits = {r: len(keys) for r in replicas}
+        alive = set(hits)
+        for i, key in enumerate(keys):
+            still = alive & self._holders.get(key, set())
+            for replica in alive - still:
+                hits[replica] = i
+            alive = still
+            if not alive:
+                break
+        return hits
+
+    def _drop(self, key: bytes, replica: str) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[key]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    """`block_size`: the engines' KV block size (hits count whole blocks).
+    `max_kv_usage`: above it a replica is overloaded (no new session or
+    prefix preference sends it more). `session_slack_tokens`: a session
+    stays on its replica while that replica's queue is at most this many
+    tokens longer than the shortest."""
+
+    block_size: int = 16
+    max_kv_usage: float = 0.95
+    session_slack_tokens: int = 8192
+
+
+def rank_replicas(
+    replicas: Sequence[str],
+    prompt_tokens: int,
+    hits: dict[str, int],
+    loads: dict[str, ReplicaLoad],
+    policy: RoutingPolicy,
+    session_replica: str | None = None,
+) -> list[list[str]]:
+    """Replicas in order of preference, one per rank (Serve tries the first
+    rank first, then falls back). `hits`: leading cached blocks per replica;
+    a replica with no report yet counts as idle and empty."""
+    if not replicas:
+        return []
+    empty = ReplicaLoad()
+
+    def cost(replica: str) -> tuple[int, int, str]:
+        load = loads.get(replica, empty)
+        hit_tokens = min(hits.get(replica, 0) * policy.block_size, max(prompt_tokens - 1, 0))
+        return (load.num_queued_tokens + prompt_tokens - hit_tokens, load.num_running, replica)
+
+    def overloaded(replica: str) -> bool:
+        return loads.get(replica, empty).kv_usage > policy.max_kv_usage
+
+    order = sorted(replicas, key=lambda r: (overloaded(r), cost(r)))
+    if session_replica in replicas and not overloaded(session_replica):
+        shortest = min(loads.get(r, empty).num_queued_tokens for r in replicas)
+        if loads.get(session_replica, empty).num_queued_tokens <= shortest + policy.session_slack_tokens:
+            order.remove(session_replica)
+            order.insert(0, session_replica)
+    return [[r] for r in order]

@@ -1,0 +1,166 @@
+"""`KVAwareRequestRouter`: Serve's request-router extension point, over
+the Ray-free policy in core/replica_router.py.
+
+Each LLMServer replica reports (its `record_routing_stats`, every
+`request_routing_stats_period_s`) its load and the routing keys of the
+blocks its engine caches, which the engine's block events keep exact. The
+router hashes a request's prompt tokens as the engines do, asks the index
+which replica holds the longest prefix, and ranks the replicas by queued
+work plus uncached prompt (`rank_replicas`). A request it sends somewhere
+counts there at once, so a follow-up routed before the next report finds
+it; a report replaces what the replica held (its evictions included), and
+a replica that left is forgotten. Routing never waits for a report: a
+replica without one counts as idle and empty.
+
+The router sees a request's arguments only on handle calls
+(`handle.generate.remote(prompt, params, session_id=...)`). Serve's HTTP
+proxy hands an ingress replica the raw request, so HTTP requests are
+ranked by load alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from rayvllm.core.replica_router import ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, decode_report, rank_replicas
+from rayvllm.messages.block_hash import hash_request_tokens, routing_key
+
+# Sessions remembered (least recently used go first).
+MAX_SESSIONS = 65536
+# How long a routed request's blocks are re-added after a report replaces
+# its replica's keys (the report may predate the request's prefill).
+RECENT_ROUTES_S = 10.0
+
+
+class KVAwareRequestRouter(FIFOMixin, MultiplexMixin, RequestRouter):
+    def initialize_state(
+        self, block_size: int = 16, model: str | None = None, max_kv_usage: float = 0.95,
+        session_slack_tokens: int = 8192, **_: Any,
+    ) -> None:
+        """Serve's `request_router_kwargs`. `model`: where the tokenizer
+        for text prompts comes from (token-id prompts need none)."""
+        self._policy = RoutingPolicy(block_size, max_kv_usage, session_slack_tokens)
+        self._model = model
+        self._tokenizer: Any = None
+        self._index = ReplicaPrefixIndex()
+        self._loads: dict[str, ReplicaLoad] = {}
+        self._seen_reports: dict[str, int] = {}  # replica -> id() of the report absorbed last
+        self._recent: dict[str, deque[tuple[float, list[bytes]]]] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._routing: dict[str, tuple[list[bytes], str | None]] = {}  # internal request id -> (keys, session)
+
+    # ---- Serve's hooks ---------------------------------------------------------------
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for gone in (set(self._index.replicas) | set(self._loads)) - live:
+            self._forget(gone)
+        for replica in replicas:
+            self._absorb(replica)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        for replica in candidate_replicas:
+            self._absorb(replica)
+        model_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if model_id:
+            # An adapter's blocks hash under its id: its replicas are Serve's multiplexing's call.
+            return self.rank_replicas_via_multiplex(candidate_replicas, model_id)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        keys, num_tokens, session = self._request_keys(pending_request)
+        if pending_request is not None:
+            self._routing[pending_request.metadata.internal_request_id] = (keys, session)
+        ids = list(by_id)
+        hits = self._index.prefix_hits(keys, ids) if keys else {}
+        sticky = self._sessions.get(session) if session is not None else None
+        ranks = rank_replicas(ids, num_tokens, hits, self._loads, self._policy, sticky)
+        return [[by_id[r] for r in rank] for rank in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        keys, session = self._routing.pop(pending_request.metadata.internal_request_id, ([], None))
+        replica = replica_id.unique_id
+        if keys:
+            self._index.add(replica, keys)
+            self._recent.setdefault(replica, deque()).append((time.monotonic(), keys))
+        if session is not None:
+            self._sessions[session] = replica
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _absorb(self, replica: RunningReplica) -> None:
+        """Take a replica's latest report, once per report."""
+        report = replica.routing_stats
+        rid = replica.replica_id.unique_id
+        if not report or self._seen_reports.get(rid) == id(report):
+            return
+        self._seen_reports[rid] = id(report)
+        load, keys = decode_report(report)
+        self._loads[rid] = load
+        self._index.replace(rid, keys)
+        recent = self._recent.get(rid)
+        if recent:
+            cutoff = time.monotonic() - RECENT_ROUTES_S
+            while recent and recent[0][0] < cutoff:
+                recent.popleft()
+            for _, routed in recent:
+                self._index.add(rid, routed)
+
+    def _forget(self, replica: str) -> None:
+        self._index.forget(replica)
+        self._loads.pop(replica, None)
+        self._seen_reports.pop(replica, None)
+        self._recent.pop(replica, None)
+        for session in [s for s, r in self._sessions.items() if r == replica]:
+            del self._sessions[session]
+
+    def _request_keys(self, pending_request: PendingRequest | None) -> tuple[list[bytes], int, str | None]:
+        """The routing keys of the prompt's full blocks (the last token is
+        always computed, as the engines count hits), its length, and its
+        session; nothing for a request the router cannot read or whose
+        blocks carry extra keys (an adapter, a cache salt)."""
+        if pending_request is None:
+            return [], 0, None
+        args, kwargs = pending_request.args, pending_request.kwargs
+        session = kwargs.get("session_id")
+        if kwargs.get("lora_request") is not None:
+            return [], 0, session
+        prompt = args[0] if args else kwargs.get("prompt")
+        tokens = self._tokens(prompt)
+        if tokens is None:
+            return [], 0, session
+        bs = self._policy.block_size
+        full = max(len(tokens) - 1, 0) // bs * bs
+        return [routing_key(h) for h in hash_request_tokens(bs, tokens[:full])], len(tokens), session
+
+    def _tokens(self, prompt: Any) -> list[int] | None:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str) and self._model is not None:
+            if self._tokenizer is None:
+                from rayvllm.utils.tokenizer import get_tokenizer
+
+                self._tokenizer = get_tokenizer(self._model)
+            return list(self._tokenizer(prompt).input_ids)
+        return None

@@ -1,0 +1,67 @@
+"""The replica router's Ray-free core (rayvllm/core/replica_router.py):
+the per-replica prefix index as reports and routed requests feed it, and
+the ranking by queued work plus uncached prompt, with session affinity."""
+
+from __future__ import annotations
+
+from rayvllm.core.replica_router import ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, rank_replicas
+from rayvllm.messages.block_hash import hash_request_tokens, routing_key
+
+POLICY = RoutingPolicy(block_size=4, max_kv_usage=0.9, session_slack_tokens=32)
+
+
+def _keys(tokens: list[int]) -> list[bytes]:
+    return [routing_key(h) for h in hash_request_tokens(4, tokens)]
+
+
+def test_index_walks_each_replicas_chain_from_the_first_block() -> None:
+    doc = list(range(100, 124))  # 6 blocks
+    keys = _keys(doc)
+    index = ReplicaPrefixIndex()
+    index.replace("a", keys[:4])
+    index.replace("b", keys[:2] + keys[3:])  # holds blocks 3.. but not block 2: its chain breaks there
+    assert index.prefix_hits(keys, ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
+    # A report replaces what the replica held: block 0 evicted ends every walk there.
+    index.replace("a", keys[1:4])
+    assert index.prefix_hits(keys, ["a"]) == {"a": 0}
+    # A routed request's blocks count at once, before the replica reports them.
+    index.add("a", keys)
+    assert index.prefix_hits(keys, ["a", "b"]) == {"a": 6, "b": 2}
+    index.forget("b")
+    assert index.replicas == ["a"] and index.prefix_hits(keys, ["b"]) == {"b": 0}
+    index.forget("a")
+    assert index.num_blocks("a") == 0 and index._holders == {}
+
+
+def test_the_longest_hit_wins_among_equal_loads_and_ties_go_to_fewer_running() -> None:
+    loads = {"a": ReplicaLoad(num_running=2), "b": ReplicaLoad(num_running=1), "c": ReplicaLoad(num_running=1)}
+    assert rank_replicas(["a", "b", "c"], 40, {"a": 8, "b": 2}, loads, POLICY) == [["a"], ["b"], ["c"]]
+    assert rank_replicas(["a", "b", "c"], 40, {}, loads, POLICY) == [["b"], ["c"], ["a"]]
+
+
+def test_a_hot_prefix_spills_once_its_replicas_queue_outweighs_the_hit() -> None:
+    hits = {"a": 8}  # 32 of the 40 prompt tokens cached on a
+    busy = {"a": ReplicaLoad(num_queued_tokens=31), "b": ReplicaLoad()}
+    assert rank_replicas(["a", "b"], 40, hits, busy, POLICY)[0] == ["a"]  # 31 + 8 < 40
+    busier = {"a": ReplicaLoad(num_queued_tokens=33), "b": ReplicaLoad()}
+    assert rank_replicas(["a", "b"], 40, hits, busier, POLICY)[0] == ["b"]  # 33 + 8 > 40
+
+
+def test_the_last_prompt_token_is_always_computed() -> None:
+    # A 16-token prompt fully cached as 4 blocks still computes its last token.
+    loads = {"a": ReplicaLoad(num_queued_tokens=1), "b": ReplicaLoad()}
+    assert rank_replicas(["a", "b"], 16, {"a": 4}, loads, POLICY)[0] == ["a"]  # 1 + 1 < 16
+
+
+def test_an_overloaded_replica_goes_last_whatever_it_holds() -> None:
+    loads = {"a": ReplicaLoad(kv_usage=0.95), "b": ReplicaLoad(num_queued_tokens=500)}
+    assert rank_replicas(["a", "b"], 40, {"a": 9}, loads, POLICY) == [["b"], ["a"]]
+
+
+def test_a_session_stays_on_its_replica_within_the_slack() -> None:
+    loads = {"a": ReplicaLoad(num_queued_tokens=30), "b": ReplicaLoad()}
+    assert rank_replicas(["a", "b"], 40, {"b": 9}, loads, POLICY, session_replica="a")[0] == ["a"]
+    loads = {"a": ReplicaLoad(num_queued_tokens=40), "b": ReplicaLoad()}  # 40 > 0 + 32: overloaded for it
+    assert rank_replicas(["a", "b"], 40, {"b": 9}, loads, POLICY, session_replica="a")[0] == ["b"]
+    # A session whose replica is gone (not among the candidates) routes as any request.
+    assert rank_replicas(["b"], 40, {}, {}, POLICY, session_replica="a") == [["b"]]
