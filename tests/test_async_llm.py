@@ -14,9 +14,9 @@ import pytest
 from rayvllm import LLM, SamplingParams
 from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.engine.async_llm import AsyncLLM
+from rayvllm.engine.async_llm import AsyncLLM, RequestStream
 from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError
-from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
+from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 
 ENGINE = dict(max_num_seqs=8, max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=64)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3, 7, 12)]
@@ -194,3 +194,71 @@ def test_a_failing_step_fails_every_stream_and_health(tiny_model_dir: Path) -> N
             await anext(engine.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, "after"))
 
     _run(tiny_model_dir, body)
+
+
+class _Released:
+    """The engine side a `RequestStream` calls when it closes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        self.calls.append((request_id, finished))
+
+
+def _delta(step: int, finished: bool = False, n: int = 2) -> RequestOutput:
+    outputs = [
+        CompletionOutput(i, f"<{i}.{step}>", [100 * i + step], -float(step),
+                         [{100 * i + step: Logprob(-float(step))}], "length" if finished else None)
+        for i in range(n)
+    ]
+    return RequestOutput("r", None, [1, 2], [None] if step == 0 else None, outputs, finished, num_cached_tokens=0)
+
+
+def test_a_stream_that_falls_behind_gets_what_accumulated_as_one_output() -> None:
+    """Three DELTA outputs waiting are read as one (text, ids and logprobs
+    joined per sequence, totals and finish from the newest); an engine error
+    queued behind them comes after them; the text is the same as read one by one."""
+
+    async def main() -> None:
+        engine = _Released()
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(engine, "r", queue)  # type: ignore[arg-type]
+        for step in range(3):
+            queue.put_nowait(_delta(step))
+        merged = await stream.__anext__()
+        assert [o.text for o in merged.outputs] == ["<0.0><0.1><0.2>", "<1.0><1.1><1.2>"]
+        assert [o.token_ids for o in merged.outputs] == [[0, 1, 2], [100, 101, 102]]
+        assert [list(lp) for lp in merged.outputs[1].logprobs] == [[100], [101], [102]]
+        assert merged.outputs[0].cumulative_logprob == -2.0 and merged.prompt_logprobs == [None]
+        queue.put_nowait(_delta(3))
+        queue.put_nowait(_delta(4, finished=True))
+        queue.put_nowait(_delta(5))  # never read: the request finished before it
+        last = await stream.__anext__()
+        assert last.finished and [o.text for o in last.outputs] == ["<0.3><0.4>", "<1.3><1.4>"]
+        assert [o.finish_reason for o in last.outputs] == ["length", "length"]
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        await stream.aclose()
+        assert engine.calls == [("r", True)]
+
+        failing = RequestStream(engine, "s", asyncio.Queue())  # type: ignore[arg-type]
+        failing._queue.put_nowait(_delta(0))
+        failing._queue.put_nowait(EngineDeadError("gone"))
+        assert (await failing.__anext__()).outputs[0].text == "<0.0>"
+        with pytest.raises(EngineDeadError):
+            await failing.__anext__()
+
+    asyncio.run(main())
+
+
+def test_a_cumulative_stream_that_falls_behind_gets_the_newest_output() -> None:
+    async def main() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(_Released(), "r", queue, RequestOutputKind.CUMULATIVE)  # type: ignore[arg-type]
+        newest = _delta(7)
+        queue.put_nowait(_delta(6))
+        queue.put_nowait(newest)
+        assert await stream.__anext__() is newest
+
+    asyncio.run(main())

@@ -55,14 +55,22 @@ class RequestStream:
 
     Invariant: after `aclose()` (idempotent) the engine holds nothing of the
     request: a stream closed before its last output aborts the request. An
-    engine failure is raised from `__anext__` to every open stream."""
+    engine failure is raised from `__anext__` to every open stream.
+
+    A consumer that falls behind gets what has accumulated as one output
+    (vLLM's `stream_interval`, adaptive): DELTA outputs waiting in the queue
+    are merged (`RequestOutput.merged_with`), CUMULATIVE ones give way to
+    the newest; the text and token counts are the same either way."""
 
     def __init__(
-        self, engine: "AsyncLLM", request_id: str, queue: "asyncio.Queue[EngineOutput | BaseException]"
+        self, engine: "AsyncLLM", request_id: str, queue: "asyncio.Queue[EngineOutput | BaseException]",
+        kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue = queue
+        self._kind = kind
+        self._error: BaseException | None = None
         self._finished = False
         self._closed = False
 
@@ -72,10 +80,17 @@ class RequestStream:
     async def __anext__(self) -> EngineOutput:
         if self._finished or self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = self._error or await self._queue.get()
         if isinstance(item, BaseException):
             self._finished = True  # the engine is gone; nothing left to abort
             raise item
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._error = later  # after what came before it
+                break
+            assert isinstance(later, RequestOutput)
+            item = item.merged_with(later) if self._kind is RequestOutputKind.DELTA else later
         self._finished = item.finished
         return item
 
@@ -197,7 +212,7 @@ class AsyncLLM:
             self.output_processor.abort_requests(self.output_processor.child_request_ids([request_id]))
             raise
         self._wake()
-        return RequestStream(self, request_id, queue)
+        return RequestStream(self, request_id, queue, output_kind)
 
     async def generate(
         self,

@@ -7,6 +7,7 @@ server consume. They carry text and token ids already detokenized by the
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -136,6 +137,31 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
+
+    def merged_with(self, later: RequestOutput) -> RequestOutput:
+        """This DELTA output followed by `later` (the request's next) as one
+        delta: per sequence the new text, ids and logprobs joined, the
+        running totals and finish from `later`. A new object; neither input
+        changes."""
+        merged = {o.index: dataclasses.replace(o, token_ids=list(o.token_ids)) for o in self.outputs}
+        for o in later.outputs:
+            earlier = merged.get(o.index)
+            if earlier is None:
+                merged[o.index] = o
+                continue
+            earlier.text += o.text
+            earlier.token_ids += o.token_ids
+            if o.logprobs is not None:
+                earlier.logprobs = (earlier.logprobs or []) + o.logprobs
+            earlier.cumulative_logprob = o.cumulative_logprob
+            earlier.finish_reason, earlier.stop_reason = o.finish_reason, o.stop_reason
+        prompt_logprobs = self.prompt_logprobs
+        if later.prompt_logprobs is not None:
+            prompt_logprobs = (prompt_logprobs or []) + later.prompt_logprobs
+        return dataclasses.replace(
+            later, prompt_logprobs=prompt_logprobs, outputs=[merged[i] for i in sorted(merged)],
+            num_cached_tokens=later.num_cached_tokens if later.num_cached_tokens is not None else self.num_cached_tokens,
+        )
 
 
 @dataclass
