@@ -68,6 +68,13 @@ def _replicas_serving(model_id: str) -> list[str]:
     return [str(r.replica_id) for r in states.get() if model_id in r.multiplexed_model_ids]
 
 
+def _router_serving(handle: serve.handle.DeploymentHandle, model_id: str) -> bool:
+    """This process's router for `handle` knows a replica serving
+    `model_id` (Ray 2.60's internals; the version is pinned)."""
+    router = handle._router._asyncio_router.request_router  # type: ignore[union-attr]
+    return router is not None and bool(router._multiplexed_model_id_to_replica_ids.get(model_id))
+
+
 def test_requests_for_an_adapter_stay_on_its_replica(
     two_replicas: serve.handle.DeploymentHandle, tiny_model_dir: Path, adapter: Path
 ) -> None:
@@ -80,9 +87,11 @@ def test_requests_for_an_adapter_stay_on_its_replica(
     first = prompt()
     out = handle.generate.remote({"prompt_token_ids": first}, GREEDY).result()
     assert out.outputs[0].token_ids == peft_greedy(tiny_model_dir, adapter, first)
-    # The replica's report reaches the controller and the routers; wait for it.
+    # The replica's report reaches the controller, then this handle's
+    # router; until the router has it, a request for "a" may go to either
+    # replica (which then loads it too). Wait for both.
     deadline = time.monotonic() + 60
-    while not _replicas_serving("a"):
+    while not (_replicas_serving("a") and _router_serving(handle, "a")):
         assert time.monotonic() < deadline, "no replica reported adapter a"
         time.sleep(0.2)  # polling the controller's state, not synchronisation
     # Each fresh prompt twice: the second hits the prefix cache only on the same replica.
