@@ -25,7 +25,6 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from ray.serve.request_router import (
-    FIFOMixin,
     MultiplexMixin,
     PendingRequest,
     ReplicaID,
@@ -43,7 +42,10 @@ MAX_SESSIONS = 65536
 RECENT_ROUTES_S = 10.0
 
 
-class KVAwareRequestRouter(FIFOMixin, MultiplexMixin, RequestRouter):
+class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
+    """Not FIFO: a replica chosen for a request must serve that request
+    (Serve's FIFO mixin hands it to whichever request waits first)."""
+
     def initialize_state(
         self, block_size: int = 16, model: str | None = None, max_kv_usage: float = 0.95,
         session_slack_tokens: int = 8192, **_: Any,
@@ -87,6 +89,14 @@ class KVAwareRequestRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         hits = self._index.prefix_hits(keys, ids) if keys else {}
         sticky = self._sessions.get(session) if session is not None else None
         ranks = rank_replicas(ids, num_tokens, hits, self._loads, self._policy, sticky)
+        if ranks and (hits.get(ranks[0][0], 0) > 0 or ranks[0][0] == sticky):
+            # Serve moves on to the next rank as soon as a replica misses its
+            # queue-length probe deadline (0.1 s at first), which a busy
+            # replica on a small machine can; the replica holding the prefix
+            # or the session is worth that wait, so it is the only rank (a
+            # replica that died leaves the candidates, and the next choice
+            # goes elsewhere).
+            return [[by_id[ranks[0][0]]]]
         return [[by_id[r] for r in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
