@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.request import Request
-from rayvllm.messages.block_hash import BlockHash, hash_request_tokens, request_extra_keys
+from rayvllm.messages.block_hash import BlockHash, hit_block_hashes, request_extra_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +108,6 @@ class DPRouter:
         request resumed with outputs is thereby matched the way its rank's
         KV cache manager will match it.
         """
-        bs = self.block_size
-        max_blocks = max(request.num_tokens - 1, 0) // bs
-        if max_blocks == 0:
-            return []
-        # Hash only what can count; the tail beyond the cap is wasted SHA work.
-        tokens = request.all_token_ids[: max_blocks * bs]
-        return hash_request_tokens(bs, tokens, request_extra_keys(request.cache_salt, request.lora_int_id))
+        return hit_block_hashes(
+            self.block_size, request.all_token_ids, request_extra_keys(request.cache_salt, request.lora_int_id)
+        )

@@ -33,7 +33,7 @@ from ray.serve.request_router import (
 )
 
 from rayvllm.core.replica_router import ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, decode_report, rank_replicas
-from rayvllm.messages.block_hash import hash_request_tokens, routing_key
+from rayvllm.messages.block_hash import hit_block_hashes, routing_key
 
 # Sessions remembered (least recently used go first).
 MAX_SESSIONS = 65536
@@ -158,9 +158,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         tokens = self._tokens(prompt)
         if tokens is None:
             return [], 0, session
-        bs = self._policy.block_size
-        full = max(len(tokens) - 1, 0) // bs * bs
-        return [routing_key(h) for h in hash_request_tokens(bs, tokens[:full])], len(tokens), session
+        return [routing_key(h) for h in hit_block_hashes(self._policy.block_size, tokens)], len(tokens), session
 
     def _tokens(self, prompt: Any) -> list[int] | None:
         if isinstance(prompt, dict):

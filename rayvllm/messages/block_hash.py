@@ -102,6 +102,19 @@ def request_extra_keys(cache_salt: str | None, lora_int_id: int | None = None) -
     return keys or None
 
 
+def hit_block_hashes(
+    block_size: int,
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys | None = None,
+) -> list[BlockHash]:
+    """Hashes of the blocks that can count as prefix-cache hits: the full
+    blocks of all but the last token (which is always computed)."""
+    max_blocks = max(len(token_ids) - 1, 0) // block_size
+    if max_blocks == 0:
+        return []
+    return hash_request_tokens(block_size, token_ids[: max_blocks * block_size], extra_keys)
+
+
 def hash_request_tokens(
     block_size: int,
     token_ids: Sequence[int],
