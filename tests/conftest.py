@@ -48,6 +48,7 @@ class SharedRay:
     def __init__(self) -> None:
         self.up = False
         self.serve_up = False
+        self.proxy_url = ""
 
     def connect(self) -> None:
         import ray
@@ -68,8 +69,10 @@ class SharedRay:
 
         self.connect()
         if not self.serve_up:
-            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
             self.serve_up = True
+            self.proxy_url = f"http://127.0.0.1:{port}"
 
     def close(self) -> None:
         if self.serve_up:
@@ -147,11 +150,12 @@ def ray_local() -> None:
 
 
 @pytest.fixture(scope="module")
-def serve_local(ray_local: None) -> None:
-    """Serve running on the shared cluster (proxy on a free port). A test
-    deletes the apps it runs (`serve.delete`); Serve itself stays up for the
-    next module."""
+def serve_local(ray_local: None) -> str:
+    """Serve running on the shared cluster; the URL of its proxy (on a free
+    port). A test deletes the apps it runs (`serve.delete`); Serve itself
+    stays up for the next module."""
     _SHARED_RAY.start_serve()
+    return _SHARED_RAY.proxy_url
 
 
 @pytest.fixture(scope="module")

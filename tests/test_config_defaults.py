@@ -124,27 +124,37 @@ def test_serve_run_values_convert_by_field_type() -> None:
     assert server.lora_modules == "a=/x b=/y"  # text is one of its types: kept for parse_lora_modules
 
 
-def test_replica_options_pick_the_router_and_leave_the_fast_path() -> None:
+def test_replica_options_pick_the_router_and_put_the_ingress_in_front() -> None:
     """`num_replicas` and `request_router` as `serve run` passes them; more
     than one replica routes by KV (Serve's request-router config) unless
-    pow2 is asked for, and `serve run` then keeps Serve's proxy (direct
-    ingress is one replica per port)."""
-    from rayvllm.entrypoints.serve_builder import build_app, start_fast_serve_run
+    pow2 is asked for, behind one router ingress (so that `serve run` keeps
+    direct ingress: one ingress replica per port); one replica is its own
+    ingress."""
+    from rayvllm.entrypoints.serve_builder import build_app
 
     kv_router = "rayvllm.entrypoints.kv_router.KVAwareRequestRouter"  # Serve keeps the class's import path
 
-    def options(**args: str) -> dict[str, Any]:
-        return build_app(args)._bound_deployment._deployment_config.request_router_config  # type: ignore[attr-defined]
+    def servers(**args: str) -> Any:
+        ingress = build_app(args)._bound_deployment  # type: ignore[attr-defined]
+        if args.get("num_replicas", "1") == "1":
+            assert ingress.name == "LLMServer"
+            return ingress
+        assert (ingress.name, ingress.num_replicas) == ("OpenAIRouter", 1)
+        return ingress.init_args[0]._bound_deployment
+
+    def options(**args: str) -> Any:
+        return servers(**args)._deployment_config.request_router_config
 
     _, server = split_args({"num_replicas": "3", "request_router": "pow2"})
     assert (server.num_replicas, server.request_router) == (3, "pow2")
     assert options(num_replicas="2").request_router_class == kv_router
     assert options(num_replicas="2").request_routing_stats_period_s == 1.0
+    assert servers(num_replicas="2").num_replicas == 2
     assert options(num_replicas="2", request_router="pow2").request_router_class != kv_router
+    assert options(num_replicas="1").request_router_class != kv_router
     with pytest.raises(InvalidParameterError) as info:
         split_args({"request_router": "random"})
     assert info.value.param == "request_router"
-    assert not start_fast_serve_run(["serve", "run", "serve_app:build_app", "num_replicas=2"], port=1)
 
 
 @pytest.mark.parametrize("key, value", [

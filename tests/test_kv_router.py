@@ -7,11 +7,13 @@ replica holding it (its exact cached token count says so)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 from rayvllm import SamplingParams
 from rayvllm.actors.factory import async_llm_from_engine_args
@@ -74,24 +76,122 @@ from ray import serve  # noqa: E402
 from rayvllm.entrypoints.serve_builder import build_app  # noqa: E402
 
 
+API_KEY = "kvr-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 @pytest.fixture(scope="module")
-def two_replicas(serve_local: None, tiny_model_dir: Path) -> Iterator[serve.handle.DeploymentHandle]:
+def two_replicas(serve_local: str, tiny_model_dir: Path) -> Iterator[tuple[serve.handle.DeploymentHandle, str]]:
+    """Two replicas behind the router ingress: its handle, and its URL through Serve's proxy."""
     args = dict(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20,
-                num_replicas=2)
+                num_replicas=2, api_key=API_KEY)
     try:
-        yield serve.run(build_app(args), name="kvr", route_prefix=None)
+        yield serve.run(build_app(args), name="kvr", route_prefix="/kvr"), f"{serve_local}/kvr"
     finally:
         serve.delete("kvr")
 
 
-def test_every_follow_up_lands_on_the_replica_holding_its_prefix(two_replicas: serve.handle.DeploymentHandle) -> None:
-    """Six 64-token documents, each sent once and then with a 9-token tail:
-    each follow-up is served from its document's four cached blocks (a
-    router blind to the cache would miss half of them)."""
+def test_every_follow_up_lands_on_the_replica_holding_its_prefix(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """Six 64-token documents, each sent once and then with a 9-token tail
+    (Python handle calls, through the ingress): each follow-up is served
+    from its document's four cached blocks (a router blind to the cache
+    would miss half of them)."""
+    handle, _ = two_replicas
     rng = random.Random(11)
     for _ in range(6):
         doc = [rng.randrange(5, 4000) for _ in range(64)]
-        first = two_replicas.generate.remote({"prompt_token_ids": doc}, GREEDY).result()
+        first = handle.generate.remote({"prompt_token_ids": doc}, GREEDY).result()
         assert first.num_cached_tokens == 0
-        again = two_replicas.generate.remote({"prompt_token_ids": doc + list(range(9, 18))}, GREEDY).result()
+        again = handle.generate.remote({"prompt_token_ids": doc + list(range(9, 18))}, GREEDY).result()
         assert again.num_cached_tokens == 64
+
+
+def _cached(usage: dict) -> int:
+    details = usage.get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
+
+
+def _stream(url: str, body: dict) -> tuple[str, dict]:
+    """A streamed completion's text and final usage, read as a client would."""
+    text, usage = "", {}
+    with requests.post(url, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                       headers=AUTH, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            usage = chunk.get("usage") or usage
+    return text, usage
+
+
+def test_http_follow_ups_land_on_the_replica_holding_their_prefix(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """Through Serve's proxy and the router ingress: text prompts, token-id
+    prompts and streams, each follow-up served from its document's cached
+    blocks, and a stream's text the same as the whole answer's."""
+    _, url = two_replicas
+    rng = random.Random(12)
+    for i in range(4):
+        doc = [rng.randrange(5, 4000) for _ in range(64)]
+        body = {"prompt": doc, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        first = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).json()
+        assert _cached(first["usage"]) == 0
+        follow_up = {**body, "prompt": doc + list(range(9, 18))}
+        if i % 2:
+            text, usage = _stream(f"{url}/v1/completions", follow_up)
+            whole = requests.post(f"{url}/v1/completions", json=follow_up, headers=AUTH, timeout=60).json()
+            assert text == whole["choices"][0]["text"]
+        else:
+            usage = requests.post(f"{url}/v1/completions", json=follow_up, headers=AUTH, timeout=60).json()["usage"]
+        assert _cached(usage) == 64
+
+
+def test_http_chat_turns_land_on_the_replica_holding_the_conversation(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """A conversation's next turn is served from the blocks of the one
+    before it, as many as its rendered prompt shares with the last (the
+    server's own /tokenize says how many)."""
+    _, url = two_replicas
+    rng = random.Random(13)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    for _ in range(3):
+        system = " ".join(rng.choice(words) for _ in range(24))
+        turn = [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]
+        body = {"messages": turn, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        reply = requests.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+        assert "choices" in reply, reply
+        turn2 = turn + [reply["choices"][0]["message"], {"role": "user", "content": "second question"}]
+        again = requests.post(f"{url}/v1/chat/completions", json={**body, "messages": turn2}, headers=AUTH,
+                              timeout=60).json()
+        tokens = [
+            requests.post(f"{url}/tokenize", json={"messages": m}, headers=AUTH, timeout=60).json()["tokens"]
+            for m in (turn, turn2)
+        ]
+        common = next((i for i, (a, b) in enumerate(zip(*tokens)) if a != b), min(map(len, tokens)))
+        assert common >= 64
+        assert _cached(again["usage"]) == common // 16 * 16
+
+
+def test_the_ingress_answers_errors_as_one_server_would(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    _, url = two_replicas
+    no_key = requests.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=60)
+    assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
+    bad = requests.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": -1}, headers=AUTH, timeout=60)
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+    not_json = requests.post(f"{url}/v1/completions", data=b"{", headers=AUTH, timeout=60)
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    assert requests.get(f"{url}/v1/nothing", headers=AUTH, timeout=60).status_code == 404
+    wrong_method = requests.get(f"{url}/v1/completions", headers=AUTH, timeout=60)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert requests.get(f"{url}/health", timeout=60).status_code == 200  # public: no key
+    models = requests.get(f"{url}/v1/models", headers=AUTH, timeout=60).json()
+    assert models["object"] == "list" and len(models["data"]) == 1

@@ -489,19 +489,23 @@ class AsyncLLM:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
         return self.processor.render_chat(messages, **options)
 
-    def routing_report(self) -> dict[str, Any]:
-        """What a request router across replicas weighs this engine by
-        (`encode_report`): its load as of the latest push, the prompt
-        tokens admitted and not yet prefilled, and the routing keys of the
-        blocks its core caches."""
+    def load(self) -> ReplicaLoad:
+        """This engine's load as of the core's latest push, and the prompt
+        tokens admitted and not yet prefilled: what routing and autoscaling
+        across replicas weigh it by."""
         stats = self.engine_core.latest_stats
-        load = ReplicaLoad(
+        return ReplicaLoad(
             num_running=stats.num_running_reqs if stats is not None else 0,
             num_waiting=stats.num_waiting_reqs if stats is not None else 0,
             num_queued_tokens=self._unprefilled_tokens,
             kv_usage=stats.kv_cache_usage if stats is not None else 0.0,
         )
-        return encode_report(load, self.engine_core.cached_block_keys)
+
+    def routing_report(self) -> dict[str, Any]:
+        """What a request router across replicas weighs this engine by
+        (`encode_report`): its `load()` and the routing keys of the blocks
+        its core caches."""
+        return encode_report(self.load(), self.engine_core.cached_block_keys)
 
     async def render_metrics(self) -> tuple[bytes, str]:
         """The Prometheus text of fresh metrics, and its Content-Type."""

@@ -12,10 +12,11 @@ it; a report replaces what the replica held (its evictions included), and
 a replica that left is forgotten. Routing never waits for a report: a
 replica without one counts as idle and empty.
 
-The router sees a request's arguments only on handle calls
-(`handle.generate.remote(prompt, params, session_id=...)`). Serve's HTTP
-proxy hands an ingress replica the raw request, so HTTP requests are
-ranked by load alone.
+The router reads a request's prompt and session from the call's
+arguments: a Python handle call's (`handle.generate.remote(prompt, params,
+session_id=...)`), or the hints that the router ingress in front of the
+replicas worked out from an HTTP request (`prompt_token_ids`, `session_id`:
+entrypoints/openai/routing_hints.py).
 """
 
 from __future__ import annotations
@@ -154,8 +155,10 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         session = kwargs.get("session_id")
         if kwargs.get("lora_request") is not None:
             return [], 0, session
-        prompt = args[0] if args else kwargs.get("prompt")
-        tokens = self._tokens(prompt)
+        if "prompt_token_ids" in kwargs:  # an HTTP request, through the router ingress
+            tokens = kwargs["prompt_token_ids"]
+        else:
+            tokens = self._tokens(args[0] if args else kwargs.get("prompt"))
         if tokens is None:
             return [], 0, session
         return [routing_key(h) for h in hit_block_hashes(self._policy.block_size, tokens)], len(tokens), session

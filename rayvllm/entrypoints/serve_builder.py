@@ -41,15 +41,16 @@ SERVE_RUN_PORT_ENV = "RAYVLLM_SERVE_RUN_PORT"
 
 
 def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
-    """Environment for a Ray cluster whose LLMServer replica answers HTTP on
-    `port` itself (Ray Serve's direct ingress), so tokens stream from the
-    replica to the client without the proxy hop: on the 2-core dev box that
-    hop cost a quarter of the saturated throughput and doubled TTFT
+    """Environment for a Ray cluster whose ingress replica answers HTTP on
+    `port` itself (Ray Serve's direct ingress), so tokens stream to the
+    client without the proxy hop: on the 2-core dev box that hop cost a
+    quarter of the saturated throughput and doubled TTFT
     (docs/BENCHMARKS.md). The variables must be in the environment of the
     process that starts the cluster: the controller and the replicas read
     them at start. Serve's proxy keeps running on its own port. One port
-    means one ingress replica per node, which is this app's shape (data
-    parallelism lives inside the engine)."""
+    means one ingress replica per node, which is this app's shape: the
+    LLMServer itself, or with several servers the one router ingress in
+    front of them (data parallelism lives inside the engine)."""
     return {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
@@ -126,8 +127,6 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
         return False
     if any(a.startswith("-") for a in argv[2:]) or Path(argv[2]).is_file():
         return False  # options, or a config file: `serve run` applies them itself
-    if any(a.startswith("num_replicas=") and a != "num_replicas=1" for a in argv[3:]):
-        return False  # direct ingress is one replica per port: several take Serve's proxy
     if ray.is_initialized() or any(k.startswith("RAY_SERVE_") and "DIRECT_INGRESS" in k for k in os.environ):
         return False
     from ray._private.services import canonicalize_bootstrap_address
@@ -168,7 +167,8 @@ def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    from rayvllm.entrypoints.openai.api_server import LLMServer
+    from rayvllm.entrypoints.autoscaling import serve_autoscaling_config
+    from rayvllm.entrypoints.openai.api_server import SERVER_ACTOR_OPTIONS, LLMServer, RoutedLLMServer
     from rayvllm.utils.demo import demo_model_path
 
     engine, server = split_args(dict(args or {}))
@@ -178,12 +178,30 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
     options = replica_placement(engine)
     options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
-    options["num_replicas"] = server.num_replicas
-    if server.num_replicas > 1 and server.request_router == "kv":
+    if server.autoscaling_config is None:
+        options["num_replicas"] = server.num_replicas
+    else:
+        options["autoscaling_config"], env = serve_autoscaling_config(server.autoscaling_config)
+        if env:
+            actor = dict(SERVER_ACTOR_OPTIONS)
+            runtime_env = dict(actor["runtime_env"])
+            runtime_env["env_vars"] = {**runtime_env["env_vars"], **env}
+            options["ray_actor_options"] = {**actor, "runtime_env": runtime_env}
+    if server.max_replicas > 1 and server.request_router == "kv":
         options["request_router_config"] = kv_router_config(engine, given["model"])
     if server.disable_access_log:
         options["logging_config"] = LoggingConfig(enable_access_log=False)
-    return LLMServer.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
+    if server.max_replicas == 1:
+        return LLMServer.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
+    servers = RoutedLLMServer.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
+    # Several replicas: the router ingress reads each HTTP body once and
+    # hands the request router its prompt's tokens (router_ingress.py).
+    from rayvllm.entrypoints.openai.router_ingress import OpenAIRouter
+
+    ingress: dict[str, Any] = {"graceful_shutdown_timeout_s": server.drain_timeout_s}
+    if server.disable_access_log:
+        ingress["logging_config"] = LoggingConfig(enable_access_log=False)
+    return OpenAIRouter.options(**ingress).bind(servers, given, **server.model_dump())  # type: ignore[attr-defined]
 
 
 def kv_router_config(engine: EngineArgs, model: str) -> RequestRouterConfig:

@@ -10,11 +10,12 @@ reaches the engine through its `EngineClient` methods only.
 
 
 import uuid
+from dataclasses import asdict
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 import ray
 from ray import serve
 
@@ -22,6 +23,7 @@ from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from rayvllm.entrypoints.openai.forwarding import ResponseHead, forwarded_routes, response_parts
 from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -57,28 +59,22 @@ def _sampling_params(params: SamplingParams | dict[str, Any] | None) -> Sampling
     return SamplingParams(**params)
 
 
-@serve.deployment(
-    name="LLMServer",
-    ray_actor_options={
-        "num_cpus": 0,
-        # Run the routes and the engine loop on the replica's own event loop
-        # rather than a second one in another thread: every SSE chunk then
-        # reaches the socket without a cross-thread hop. With direct ingress
-        # this took saturated throughput from ~720-760 to ~790 tok/s on the
-        # 2-core box (docs/BENCHMARKS.md). And run at nice 0, like the engine
-        # actors (Ray starts workers at 15): at 15 the replica's event loop
-        # waited behind the forward's threads for every admission and every
-        # SSE chunk (p50 TTFT 67 -> 25 ms at 2 requests/s, docs/BENCHMARKS.md).
-        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_worker_niceness": "0"}},
-    },
-    # Each request is a long-lived coroutine; admission is the engine's
-    # call (max_pending_requests), not a small Serve default.
-    max_ongoing_requests=4096,
-    health_check_period_s=10,
-    health_check_timeout_s=60,
-)
-@serve.ingress(app)
-class LLMServer:
+# Run the routes and the engine loop on the replica's own event loop
+# rather than a second one in another thread: every SSE chunk then reaches
+# the socket without a cross-thread hop. With direct ingress this took
+# saturated throughput from ~720-760 to ~790 tok/s on the 2-core box
+# (docs/BENCHMARKS.md). And run at nice 0, like the engine actors (Ray
+# starts workers at 15): at 15 the replica's event loop waited behind the
+# forward's threads for every admission and every SSE chunk (p50 TTFT 67 ->
+# 25 ms at 2 requests/s, docs/BENCHMARKS.md). The router ingress in front of
+# several servers runs the same way.
+SERVER_ACTOR_OPTIONS: dict[str, Any] = {
+    "num_cpus": 0,
+    "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_worker_niceness": "0"}},
+}
+
+
+class LLMServerImpl:
     """Invariant: one `AsyncLLM` per replica, started with the replica and
     shut down with it; every route and handle method goes through it."""
 
@@ -258,10 +254,36 @@ class LLMServer:
         ):
             yield out
 
+    async def serve_http(
+        self,
+        method: str,
+        path: str,
+        data: dict[str, Any] | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[ResponseHead | str | bytes]:
+        """The HTTP route `method path` on `data`, for the router ingress in
+        front of several replicas (router_ingress.py), which read the body
+        and checked the caller's key: a `ResponseHead`, then a stream's
+        chunks. `prompt_token_ids` and `session_id` are the KV-aware
+        router's hints; the replica itself ignores them."""
+        spec = FORWARDED_ROUTES.get((method, path))
+        response = (
+            await spec.forwarded(self, data) if spec is not None else JSONResponse({"detail": "Not Found"}, 404)
+        )
+        async for part in response_parts(response):
+            yield part
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook: the load and cached blocks the
         KV-aware request router (entrypoints/kv_router.py) ranks replicas by."""
         return self.engine.routing_report()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling-stats hook: the engine's load, which the
+        engine-signal autoscaling policy (entrypoints/autoscaling.py) scales by."""
+        return {k: float(v) for k, v in asdict(self.engine.load()).items()}
 
     async def check_health(self) -> None:
         """Serve's replica health hook: a failing engine gets the replica
@@ -275,3 +297,23 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+# The deployment's options, the same whether it answers HTTP itself or
+# behind the router ingress.
+SERVER_DEPLOYMENT: dict[str, Any] = {
+    "name": "LLMServer",
+    "ray_actor_options": SERVER_ACTOR_OPTIONS,
+    # Each request is a long-lived coroutine; admission is the engine's
+    # call (max_pending_requests), not a small Serve default.
+    "max_ongoing_requests": 4096,
+    "health_check_period_s": 10,
+    "health_check_timeout_s": 60,
+}
+# (method, path) -> route: read before `serve.ingress` rewrites the app's routes.
+FORWARDED_ROUTES = forwarded_routes(app, LLMServerImpl)
+# One replica answers HTTP itself (FastAPI ingress).
+LLMServer = serve.deployment(**SERVER_DEPLOYMENT)(serve.ingress(app)(LLMServerImpl))
+# Several sit behind the router ingress (router_ingress.py; Serve allows one
+# FastAPI ingress per app), which reaches their routes through `serve_http`.
+RoutedLLMServer = serve.deployment(**SERVER_DEPLOYMENT)(LLMServerImpl)

@@ -24,10 +24,15 @@ from rayvllm.messages.errors import (
     RequestTooLargeError,
 )
 
-__all__ = ["RETRY_AFTER_S", "RouteOwner", "openai_route"]
+__all__ = ["FORWARDED_ATTR", "PUBLIC_ATTR", "RETRY_AFTER_S", "RouteOwner", "openai_route"]
 
 # Clients told to come back after an overload wait this long (seconds).
 RETRY_AFTER_S = 1
+# The attribute of a route's handler that answers a body read elsewhere
+# (`forwarded(self, data)`): what a replica behind the router ingress runs.
+FORWARDED_ATTR = "forwarded"
+# The attribute that marks a route public (no API key: probes, scrapers).
+PUBLIC_ATTR = "public"
 
 # What a route body may return: a ready response, a pydantic body (sent as
 # JSON), or a stream of server-sent events.
@@ -104,23 +109,20 @@ def openai_route(
     `max_request_bytes` of a JSON object, validated into `body` when it is
     a pydantic model (a 400 names the field) or handed to it when it is a
     function (`dict` takes the object as it is; None: no body is read);
-    then the route itself.
+    then the route itself. The handler's `FORWARDED_ATTR` attribute runs
+    the same route, less authorization and reading, on a body that the
+    router ingress in front read and whose caller it authorized.
     """
 
     def wrap(route: RouteBody) -> Handler:
-        # FastAPI reads these annotations when the route is declared, before
-        # Serve makes `self` an injected dependency: a class there would be
-        # taken for a parameter's type, so `self` is Any.
-        async def handler(self: Any, request: Request) -> Response:
-            owner: RouteOwner = self
+        async def answer(self: Any, read: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
+            """The route past authorization: `before`, the body from `read`, the work."""
             try:
-                if not public:
-                    authorize(request, owner.api_key)
                 if before is not None:
                     await before(self)
                 if body is None:
                     return _reply(await route(self))
-                data = await read_json(request, owner.max_request_bytes)
+                data = await read()
                 if isinstance(body, type) and issubclass(body, BaseModel):
                     parsed = parse_request(body, data)
                 else:
@@ -129,12 +131,37 @@ def openai_route(
             except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
                 return error_response(e)
 
+        # FastAPI reads these annotations when the route is declared, before
+        # Serve makes `self` an injected dependency: a class there would be
+        # taken for a parameter's type, so `self` is Any.
+        async def handler(self: Any, request: Request) -> Response:
+            owner: RouteOwner = self
+            if not public:
+                try:
+                    authorize(request, owner.api_key)
+                except Exception as e:  # noqa: BLE001
+                    return error_response(e)
+            return await answer(self, lambda: read_json(request, owner.max_request_bytes))
+
+        async def forwarded(self: Any, data: dict[str, Any] | None) -> Response:
+            """The route for a body an ingress in front has already read
+            (bounded) and whose caller it has authorized."""
+
+            async def given() -> dict[str, Any]:
+                if data is None:
+                    raise InvalidParameterError("body", "must be a JSON object")
+                return data
+
+            return await answer(self, given)
+
         # Not functools.wraps: FastAPI reads the signature through
         # `__wrapped__`, and this handler's is (self, request). Serve's
         # ingress finds a class's routes by their qualified name.
         handler.__name__ = route.__name__
         handler.__qualname__ = route.__qualname__
         handler.__doc__ = route.__doc__
+        setattr(handler, FORWARDED_ATTR, forwarded)
+        setattr(handler, PUBLIC_ATTR, public)
         return handler
 
     return wrap

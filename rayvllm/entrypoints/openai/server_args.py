@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayvllm.config.engine_args import validate_args
 from rayvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -81,16 +81,34 @@ class ServerArgs(BaseModel):
         False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
     )
     num_replicas: int = Field(1, ge=1, description="Serve replicas of the server, each with its own engine")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="scale replicas between min_replicas and max_replicas (Serve's keys: upscale_delay_s, "
+        "downscale_delay_s, look_back_period_s, ...) on the engines' load: target_queued_prompt_tokens, "
+        "target_ongoing_requests, target_kv_usage per replica (instead of num_replicas)",
+    )
     request_router: str = Field(
         "kv", description="with more than one replica: 'kv' sends each request where its prefix is cached, "
         "weighed against load; 'pow2' is Serve's own power-of-two-choices router",
     )
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this server may run at once."""
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config.get("max_replicas", 1))
+        return self.num_replicas
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ServerArgs":
         """From a plain dict whose values may be text, converted by each
         field's type; errors name the offending keys."""
         return validate_args(cls, data)
+
+    @model_validator(mode="after")
+    def _one_way_to_count_replicas(self) -> "ServerArgs":
+        if self.autoscaling_config is not None and self.num_replicas != 1:
+            raise ValueError("num_replicas and autoscaling_config exclude each other (autoscaling sets the count)")
+        return self
 
     @field_validator("request_router")
     @classmethod

@@ -1,0 +1,75 @@
+"""An HTTP answer in parts, as a server replica hands it to the router
+ingress in front of it (entrypoints/openai/router_ingress.py) over a Serve
+handle stream: a `ResponseHead`, then, for a stream, its chunks. Ray-free."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
+
+from rayvllm.entrypoints.openai.http_route import FORWARDED_ATTR, PUBLIC_ATTR
+
+__all__ = ["ResponseHead", "RouteSpec", "forwarded_routes", "response_parts"]
+
+Forwarded = Callable[[Any, dict[str, Any] | None], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """Status and headers; `body` is the whole body, or None when the
+    chunks of a stream follow."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes | None
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One route of the server: `forwarded(owner, data)` answers it for
+    a body read elsewhere; a `public` route takes no API key; `reads_body`:
+    whether it has a body to read."""
+
+    forwarded: Forwarded
+    public: bool
+    reads_body: bool
+
+
+def forwarded_routes(app: FastAPI, owner: type) -> dict[tuple[str, str], RouteSpec]:
+    """(method, path) -> the route, for every `openai_route` of `owner` that `app` serves."""
+    table: dict[tuple[str, str], RouteSpec] = {}
+    for route in app.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        handler = getattr(owner, route.name, None)
+        forwarded = getattr(handler, FORWARDED_ATTR, None)
+        if forwarded is None:
+            continue
+        spec = RouteSpec(forwarded, bool(getattr(handler, PUBLIC_ATTR, False)), "POST" in route.methods)
+        for method in route.methods:
+            table[(method, route.path)] = spec
+    return table
+
+
+async def response_parts(response: Response) -> AsyncIterator[ResponseHead | str | bytes]:
+    """`response` as a head and, for a stream, its chunks. Closing this
+    closes the stream's iterator (which ends the engine's requests)."""
+    # The ingress's own response sets the length again (a stream has none).
+    headers = [(k, v) for k, v in response.headers.items() if k != "content-length"]
+    if not isinstance(response, StreamingResponse):
+        yield ResponseHead(response.status_code, headers, bytes(response.body))
+        return
+    chunks = response.body_iterator
+    # Entered before the head goes out: a stream closed right after its
+    # head still ends its requests.
+    closing = contextlib.aclosing(chunks) if hasattr(chunks, "aclose") else contextlib.nullcontext(chunks)
+    async with closing:  # type: ignore[attr-defined]
+        yield ResponseHead(response.status_code, headers, None)
+        async for chunk in chunks:
+            yield chunk

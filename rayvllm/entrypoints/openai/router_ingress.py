@@ -1,0 +1,128 @@
+"""`OpenAIRouter`: the ingress deployment in front of several `LLMServer`
+replicas (build_app puts it there when `num_replicas` > 1).
+
+Serve's HTTP proxy hands an ingress replica the raw request, so a request
+router placed on the servers themselves would see no prompt. This thin
+replica reads the body once (bounded, after the API key), works out the
+routing hints (the prompt's exact token ids, the session: routing_hints.py)
+and calls one server through a handle, where the KV-aware router
+(entrypoints/kv_router.py) picks the replica holding the longest cached
+prefix. The server answers the route as it would have itself
+(`LLMServer.serve_http`) and the answer comes back in parts
+(forwarding.py): one head, then a stream's chunks as they are made.
+Python handle calls (`generate`, `generate_stream`) pass through as they
+are. It holds no engine and asks Ray for no CPU.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes'
+# annotations as types when they are declared.
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from rayvllm.config.engine_args import EngineArgs
+from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES, SERVER_ACTOR_OPTIONS
+from rayvllm.entrypoints.openai.forwarding import ResponseHead
+from rayvllm.entrypoints.openai.http_route import authorize, error_response, read_json
+from rayvllm.entrypoints.openai.routing_hints import routing_hints
+from rayvllm.entrypoints.openai.server_args import ServerArgs
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.outputs import RequestOutput
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.utils.tokenizer import get_tokenizer
+
+app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm (several replicas)")
+# Multiplexed adapters: Serve's header, read by the proxy for its own
+# routing, and passed on to the server's handle call here.
+MULTIPLEX_HEADER = "serve_multiplexed_model_id"
+
+
+async def _relay(parts: DeploymentResponseGenerator) -> AsyncIterator[str | bytes]:
+    """A stream's chunks; a client that leaves cancels the server's stream
+    (which ends its requests there)."""
+    try:
+        async for chunk in parts:
+            yield chunk
+    finally:
+        parts.cancel()
+
+
+@serve.deployment(name="OpenAIRouter", ray_actor_options=SERVER_ACTOR_OPTIONS, max_ongoing_requests=4096)
+@serve.ingress(app)
+class OpenAIRouter:
+    """Invariant: every request reaches exactly one `LLMServer` replica, in
+    one handle call; nothing here holds engine state."""
+
+    def __init__(self, server: DeploymentHandle, engine_args: dict[str, Any], **server_args: Any) -> None:
+        args = ServerArgs.from_dict(server_args)
+        self.api_key = args.api_key
+        self.max_request_bytes = args.max_request_bytes
+        self._server = server
+        model_config = EngineArgs.from_dict(engine_args).create_engine_config().model_config
+        self._served_model_name = model_config.served_model_name
+        self._tokenizer = get_tokenizer(model_config.tokenizer)
+
+    def _handle(self, multiplexed_model_id: str) -> DeploymentHandle:
+        if multiplexed_model_id:
+            return self._server.options(multiplexed_model_id=multiplexed_model_id)
+        return self._server
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(self, path: str, request: Request) -> Response:
+        path = "/" + path  # below the app's route prefix, as the server's routes are declared
+        spec = FORWARDED_ROUTES.get((request.method, path))
+        if spec is None:
+            methods = sorted(m for m, p in FORWARDED_ROUTES if p == path)
+            if methods:
+                return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(methods)})
+            return JSONResponse({"detail": "Not Found"}, 404)
+        try:
+            if not spec.public:
+                authorize(request, self.api_key)
+            data = await read_json(request, self.max_request_bytes) if spec.reads_body else None
+        except Exception as e:  # noqa: BLE001 - answered as the server would
+            return error_response(e)
+        hints = routing_hints(path, data, request.headers, self._tokenizer, self._served_model_name)
+        handle = self._handle(request.headers.get(MULTIPLEX_HEADER, ""))
+        parts: DeploymentResponseGenerator = handle.options(stream=True).serve_http.remote(
+            request.method, path, data, **hints.as_kwargs()
+        )
+        head = await parts.__anext__()
+        assert isinstance(head, ResponseHead)
+        if head.body is not None:
+            return Response(head.body, head.status, headers=dict(head.headers))
+        return StreamingResponse(_relay(parts), head.status, headers=dict(head.headers))
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        session_id: str | None = None,
+    ) -> RequestOutput:
+        """`LLMServer.generate` on the replica the router picks."""
+        handle = self._handle(serve.get_multiplexed_model_id())
+        return await handle.generate.remote(
+            prompt, sampling_params, request_id, lora_request=lora_request, session_id=session_id
+        )
+
+    async def generate_stream(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`LLMServer.generate_stream` on the replica the router picks."""
+        handle = self._handle(serve.get_multiplexed_model_id()).options(stream=True)
+        async for out in handle.generate_stream.remote(
+            prompt, sampling_params, request_id, lora_request=lora_request, session_id=session_id
+        ):
+            yield out
+
