@@ -69,8 +69,10 @@ def worker_bundles(parallel_config: ParallelConfig, device: str) -> list[Bundle]
 
 
 # The Serve replica's own bundle, first in its placement group: the replica
-# asks for no CPU (its work is the event loop), but a bundle must hold some.
-REPLICA_BUNDLE: Bundle = {"CPU": 0.01}
+# asks for no CPU (its work is the event loop), but a bundle must hold some
+# resource. A byte of memory, not a sliver of CPU: N replicas of one CPU rank
+# each then fit a node of N cores (two on a 2-core machine).
+REPLICA_BUNDLE: Bundle = {"memory": 1.0}
 
 
 def deployment_bundles(parallel_config: ParallelConfig, device: str) -> list[Bundle]:

@@ -32,7 +32,7 @@ REPLICA = f"ServeReplica:{APP}:LLMServer"
 
 @pytest.fixture()
 def others(serve_local: None) -> Iterator[set[str]]:
-    """On the shared cluster (two replicas each reserve 0.01 + one worker
+    """On the shared cluster (two replicas each reserve a byte of memory and one worker
     CPU of its logical CPUs): the ids of the placement groups and actors
     alive before the test, which are not its own. Deletes the app after."""
     try:
