@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES, SERVER_ACTOR_OPTIONS
+from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.forwarding import ResponseHead
 from rayvllm.entrypoints.openai.http_route import authorize, error_response, read_json
 from rayvllm.entrypoints.openai.routing_hints import routing_hints
@@ -58,6 +59,7 @@ class OpenAIRouter:
     one handle call; nothing here holds engine state."""
 
     def __init__(self, server: DeploymentHandle, engine_args: dict[str, Any], **server_args: Any) -> None:
+        bind_direct_ingress_with_reuse_address()
         args = ServerArgs.from_dict(server_args)
         self.api_key = args.api_key
         self.max_request_bytes = args.max_request_bytes
