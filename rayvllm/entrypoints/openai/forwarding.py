@@ -4,6 +4,7 @@ handle stream: a `ResponseHead`, then, for a stream, its chunks. Ray-free."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +17,11 @@ from fastapi.routing import APIRoute
 from rayvllm.entrypoints.openai.http_route import FORWARDED_ATTR, PUBLIC_ATTR
 
 __all__ = ["ResponseHead", "RouteSpec", "forwarded_routes", "response_parts"]
+
+# How long a forwarded stream gathers chunks into one message after its
+# first (which goes at once): a few engine steps' worth at most, so tokens
+# still arrive in a steady trickle.
+STREAM_BATCH_INTERVAL_S = 0.02
 
 Forwarded = Callable[[Any, dict[str, Any] | None], Awaitable[Response]]
 
@@ -57,9 +63,14 @@ def forwarded_routes(app: FastAPI, owner: type) -> dict[tuple[str, str], RouteSp
     return table
 
 
-async def response_parts(response: Response) -> AsyncIterator[ResponseHead | str | bytes]:
-    """`response` as a head and, for a stream, its chunks. Closing this
-    closes the stream's iterator (which ends the engine's requests)."""
+async def response_parts(
+    response: Response, batch_interval_s: float = STREAM_BATCH_INTERVAL_S
+) -> AsyncIterator[ResponseHead | str | bytes]:
+    """`response` as a head and, for a stream, its chunks: the first as soon
+    as it is made, then what accumulates over each `batch_interval_s`,
+    joined (a handle-stream message per SSE event costs both processes CPU
+    that the forward needs). Closing this closes the stream's iterator
+    (which ends the engine's requests)."""
     # The ingress's own response sets the length again (a stream has none).
     headers = [(k, v) for k, v in response.headers.items() if k != "content-length"]
     if not isinstance(response, StreamingResponse):
@@ -71,5 +82,46 @@ async def response_parts(response: Response) -> AsyncIterator[ResponseHead | str
     closing = contextlib.aclosing(chunks) if hasattr(chunks, "aclose") else contextlib.nullcontext(chunks)
     async with closing:  # type: ignore[attr-defined]
         yield ResponseHead(response.status_code, headers, None)
-        async for chunk in chunks:
-            yield chunk
+        async for batch in _batched(chunks, batch_interval_s):
+            yield batch
+
+
+async def _batched(chunks: AsyncIterator[str | bytes], interval_s: float) -> AsyncIterator[str | bytes]:
+    """The first chunk at once, then the chunks of each `interval_s`
+    window joined into one; the last window's as soon as the stream ends."""
+    loop = asyncio.get_running_loop()
+    pending: list[Any] = []
+    deadline = 0.0
+    step = asyncio.ensure_future(anext(chunks))
+    try:
+        first = True
+        while True:
+            timeout = None if not pending else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait({step}, timeout=timeout)
+            if not done:  # the window closed
+                yield _joined(pending)
+                pending = []
+                continue
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                break
+            step = asyncio.ensure_future(anext(chunks))
+            if first:
+                first = False
+                yield chunk
+                continue
+            if not pending:
+                deadline = loop.time() + interval_s
+            pending.append(chunk)
+        if pending:
+            yield _joined(pending)
+    finally:
+        if not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+
+
+def _joined(chunks: list[Any]) -> str | bytes:
+    return (b"" if isinstance(chunks[0], bytes) else "").join(chunks)
