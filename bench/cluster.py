@@ -1,0 +1,179 @@
+"""Several replicas as one service: KV-aware routing against Serve's
+power-of-two-choices router on multi-turn chats (issue 27).
+
+    python bench/cluster.py [--routers kv,pow2,pow2,kv] [--sessions 24 --turns 6]
+
+Each router runs in its own `serve run serve_app:build_app num_replicas=2
+request_router=R` (the README's command with two options: the router
+ingress answers on direct ingress), one after the other, on the same model
+(llama25m preset unless --model) and the same conversations:
+`--sessions` chats, each opening with one of `--system-prompts` shared
+system prompts, `--turns` turns each; every turn's prompt is the whole
+conversation so far (system prompt, earlier user turns and replies) plus a
+new user turn, sent when the chat's previous turn has finished, so the
+chats arrive interleaved. Requests carry the chat's `x-session-id`.
+Prompts are token ids, the replies fixed per turn (not the model's), so
+both routers see the same prompts.
+
+Reported per router: the prefix-cache hit rate (the servers' own
+`usage.prompt_tokens_details.cached_tokens` over prompt tokens), TTFT p50
+and p99, output throughput, and the wall time. A repeated router name runs
+it again (both orders, to see what order costs). Ray Serve LLM over vLLM
+(its PrefixCacheAffinityRouter) is the peer this table is to carry; it
+needs the peer environment (bench/setup_peers.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving  # noqa: E402  (bench/serving.py: the server launcher)
+
+
+def conversations(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], int]]]:
+    """Per session, per turn: the prompt and its token count, fixed by `--seed`."""
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(5, vocab) for _ in range(n)]
+
+    systems = [tokens(args.system_len) for _ in range(args.system_prompts)]
+    chats = []
+    for s in range(args.sessions):
+        history = list(systems[s % len(systems)])
+        turns = []
+        for _ in range(args.turns):
+            history += tokens(args.user_len)
+            turns.append((list(history), len(history)))
+            history += tokens(args.output_len)  # the reply the next turn carries
+        chats.append(turns)
+    return chats
+
+
+async def chat(
+    http: aiohttp.ClientSession, url: str, model: str, session: int, turns: list[tuple[list[int], int]],
+    output_len: int, t0: float,
+) -> list[dict[str, Any]]:
+    out = []
+    for prompt, _ in turns:
+        payload = {
+            "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        start = time.perf_counter()
+        ttft = None
+        usage: dict[str, Any] = {}
+        async with http.post(url, json=payload, headers={"x-session-id": f"chat-{session}"}) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - start
+                usage = chunk.get("usage") or usage
+        details = usage.get("prompt_tokens_details") or {}
+        out.append({
+            "session": session, "sent_s": start - t0, "ttft_s": ttft, "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": details.get("cached_tokens") or 0, "output_tokens": usage["completion_tokens"],
+        })
+    return out
+
+
+async def run_chats(base_url: str, model: str, chats: list[list[tuple[list[int], int]]], args: argparse.Namespace
+                    ) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(
+            chat(http, f"{base_url}/v1/completions", model, s, turns, args.output_len, t0)
+            for s, turns in enumerate(chats)
+        ))
+        wall = time.perf_counter() - t0
+    rows = [r for session in results for r in session]
+    ttfts = [r["ttft_s"] * 1000 for r in rows if r["ttft_s"] is not None]
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    return {
+        "requests": len(rows),
+        "hit_rate": sum(r["cached_tokens"] for r in rows) / prompt,
+        "ttft_p50_ms": serving.percentile(ttfts, 50),
+        "ttft_p99_ms": serving.percentile(ttfts, 99),
+        "output_tok_s": sum(r["output_tokens"] for r in rows) / wall,
+        "wall_s": wall,
+        "rows": rows,
+    }
+
+
+def run_router(router: str, model: str, chats: list[list[tuple[list[int], int]]], args: argparse.Namespace,
+               log_dir: Path, index: int) -> dict[str, Any]:
+    launch_args = argparse.Namespace(
+        max_num_seqs=args.max_num_seqs, rayvllm_ingress="direct",
+        rayvllm_arg=[f"num_replicas={args.replicas}", f"request_router={router}"],
+    )
+    launch = serving.rayvllm_launch(model, launch_args)
+    server = serving.ServerProcess(launch, log_dir / f"{index}-{router}.log")
+    print(f"[{router}] starting: {' '.join(launch.argv)}", flush=True)
+    try:
+        server.start()
+        startup_s, served = server.wait_ready(args.startup_timeout)
+        print(f"[{router}] ready after {startup_s:.1f} s", flush=True)
+        # One request per replica's worth of warm-up, on prompts no chat shares.
+        warm = [[([7] * 32, 32)] for _ in range(args.replicas * 2)]
+        asyncio.run(run_chats(launch.base_url, served, warm, args))
+        result = asyncio.run(run_chats(launch.base_url, served, chats, args))
+    finally:
+        server.stop()
+    result["router"] = router
+    print(f"[{router}] hit rate {result['hit_rate']:.1%}, TTFT p50 {result['ttft_p50_ms']:.1f} ms "
+          f"p99 {result['ttft_p99_ms']:.1f} ms, {result['output_tok_s']:.1f} tok/s, {result['wall_s']:.1f} s", flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--routers", default="kv,pow2,pow2,kv", help="request_router values to run, in order")
+    p.add_argument("--model", default=None, help="model dir (default: llama25m preset)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--sessions", type=int, default=24)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=256, help="tokens of each system prompt")
+    p.add_argument("--user-len", type=int, default=32, help="tokens of each user turn")
+    p.add_argument("--output-len", type=int, default=32, help="tokens of each reply")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+    model = serving.resolve_model(args.model)
+    vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    chats = conversations(args, vocab)
+    log_dir = Path(tempfile.mkdtemp(prefix="rayvllm-cluster-"))
+    print(f"{args.sessions} chats x {args.turns} turns, {args.system_prompts} system prompts of {args.system_len} "
+          f"tokens, {args.replicas} replicas; logs in {log_dir}", flush=True)
+    results = [run_router(r.strip(), model, chats, args, log_dir, i)
+               for i, r in enumerate(args.routers.split(",")) if r.strip()]
+    print("\nrouter  hit rate  TTFT p50 ms  TTFT p99 ms  out tok/s  wall s")
+    for r in results:
+        print(f"{r['router']:<7} {r['hit_rate']:>8.1%}  {r['ttft_p50_ms']:>11.1f}  {r['ttft_p99_ms']:>11.1f}  "
+              f"{r['output_tok_s']:>9.1f}  {r['wall_s']:>6.1f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""bench/cluster.py's workload: chats whose every turn carries the whole
+conversation so far, opening with one of a few shared system prompts, the
+same for every router it compares."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def test_every_turn_extends_the_last_and_chats_share_system_prompts() -> None:
+    spec = importlib.util.spec_from_file_location("bench_cluster", BENCH / "cluster.py")
+    assert spec is not None and spec.loader is not None
+    cluster = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = cluster
+    spec.loader.exec_module(cluster)
+    args = argparse.Namespace(seed=3, sessions=6, turns=3, system_prompts=2, system_len=16, user_len=4, output_len=5)
+    chats = cluster.conversations(args, vocab=100)
+    assert chats == cluster.conversations(args, vocab=100)  # the same for every router
+    assert len(chats) == 6 and all(len(turns) == 3 for turns in chats)
+    for s, turns in enumerate(chats):
+        for (prev, _), (prompt, n) in zip(turns, turns[1:]):
+            assert prompt[: len(prev)] == prev and n == len(prompt) == len(prev) + 5 + 4
+        assert turns[0][0][:16] == chats[s % 2][0][0][:16]  # chat s opens with system prompt s % 2
+    assert chats[0][0][0][:16] != chats[1][0][0][:16]
+    assert all(5 <= t < 100 for turns in chats for prompt, _ in turns for t in prompt)
