@@ -58,8 +58,9 @@ LLAMA_32_1B: dict[str, Any] = dict(
                   "original_max_position_embeddings": 8192},
 )
 # What docs/SERVING.md says a tensor_parallel_size=2 command needs, and the nodes that says.
-DOC_TP2_NEEDS = "three CPU cores, or two GPUs"
-TP2_NODES = ({"CPU": 3.0}, {"CPU": 1.0, "GPU": 2.0})
+DOC_TP2_NEEDS = "two CPU cores, or two GPUs"
+TP2_NODES = ({"CPU": 2.0}, {"CPU": 1.0, "GPU": 2.0})
+ONE_CORE = {"CPU": 1.0}
 
 
 def write_config_json(directory: Path, dims: dict[str, Any]) -> Path:
@@ -73,8 +74,10 @@ def write_config_json(directory: Path, dims: dict[str, Any]) -> Path:
 
 
 def fits(bundles: list[Node], nodes: list[Node]) -> bool:
-    """Whether Ray could place `bundles` on `nodes` (first fit, largest first)."""
-    free = [dict(n) for n in nodes]
+    """Whether Ray could place `bundles` on `nodes` (first fit, largest first).
+    Every Ray node also has its RAM as the `memory` resource, which the
+    configs do not declare: a replica's one-byte bundle always fits it."""
+    free = [{"memory": float(1 << 30), **n} for n in nodes]
     for bundle in sorted(bundles, key=lambda b: -sum(b.values())):
         node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in bundle.items())), None)
         if node is None:
@@ -220,7 +223,7 @@ def documented_command_args(line: str) -> dict[str, Any]:
 
 def test_documented_serve_commands_start(tiny_model_dir: Path) -> None:
     """The demo commands fit the CI machine; a tensor_parallel_size=2 one
-    needs what docs/SERVING.md says, and does not fit two cores."""
+    needs what docs/SERVING.md says, and does not fit one core."""
     assert DOC_TP2_NEEDS in SERVING_DOC.read_text()
     lines = list(documented_serve_commands())
     assert len(lines) >= 4
@@ -232,7 +235,7 @@ def test_documented_serve_commands_start(tiny_model_dir: Path) -> None:
             check_starts(args, [TP2_NODES[0]])
             check_starts({**args, "device": "cuda"}, [TP2_NODES[1]])
             with pytest.raises(AssertionError, match="do not fit"):
-                check_starts(args, [CI_NODE])
+                check_starts(args, [ONE_CORE])
         else:
             check_starts(args, [CI_NODE])
 
