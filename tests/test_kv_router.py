@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +74,7 @@ def test_an_engines_report_names_exactly_the_blocks_it_caches(tiny_model_dir: Pa
 ray = pytest.importorskip("ray")
 
 from ray import serve  # noqa: E402
+from ray.util.state import list_actors  # noqa: E402
 
 from rayvllm.entrypoints.serve_builder import build_app  # noqa: E402
 
@@ -195,3 +198,25 @@ def test_the_ingress_answers_errors_as_one_server_would(
     assert requests.get(f"{url}/health", timeout=60).status_code == 200  # public: no key
     models = requests.get(f"{url}/v1/models", headers=AUTH, timeout=60).json()
     assert models["object"] == "list" and len(models["data"]) == 1
+
+
+def test_a_server_that_dies_mid_stream_ends_it_with_an_error_event(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """Both servers killed (SIGKILL) while a stream runs through the router
+    ingress: the client gets the in-band error event a failing engine sends,
+    then [DONE], not a cut connection."""
+    _, url = two_replicas
+    body = {"prompt": [5] * 8, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    events: list[bytes] = []
+    with requests.post(f"{url}/v1/completions", json=body, headers=AUTH, stream=True, timeout=120) as r:
+        lines = (line for line in r.iter_lines() if line.startswith(b"data: "))
+        events.append(next(lines))
+        for actor in list_actors(filters=[("state", "=", "ALIVE")]):
+            if actor.class_name == "ServeReplica:kvr:LLMServer":
+                os.kill(actor.pid, signal.SIGKILL)
+        events.extend(lines)
+    assert json.loads(events[0][6:])["choices"]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == 503

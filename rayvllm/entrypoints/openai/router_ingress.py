@@ -16,12 +16,14 @@ are. It holds no engine and asks Ray for no CPU.
 
 # No `from __future__ import annotations`: FastAPI reads the routes'
 # annotations as types when they are declared.
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from rayvllm.config.engine_args import EngineArgs
@@ -31,11 +33,12 @@ from rayvllm.entrypoints.openai.forwarding import ResponseHead
 from rayvllm.entrypoints.openai.http_route import authorize, error_response, read_json
 from rayvllm.entrypoints.openai.routing_hints import routing_hints
 from rayvllm.entrypoints.openai.server_args import ServerArgs
-from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.entrypoints.openai.streams import SSE_DONE, sse_error
+from rayvllm.messages.errors import EngineDeadError
 from rayvllm.messages.outputs import RequestOutput
-from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.tokenizer import get_tokenizer
 
+logger = logging.getLogger(__name__)
 app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm (several replicas)")
 # Multiplexed adapters: Serve's header, read by the proxy for its own
 # routing, and passed on to the server's handle call here.
@@ -44,10 +47,15 @@ MULTIPLEX_HEADER = "serve_multiplexed_model_id"
 
 async def _relay(parts: DeploymentResponseGenerator) -> AsyncIterator[str | bytes]:
     """A stream's chunks; a client that leaves cancels the server's stream
-    (which ends its requests there)."""
+    (which ends its requests there). A server that dies mid-stream ends it
+    as a failing engine does: an in-band error event, then [DONE]."""
     try:
         async for chunk in parts:
             yield chunk
+    except RayError as e:
+        logger.warning("a forwarded stream's server failed: %s", e)
+        yield sse_error(EngineDeadError(str(e)))
+        yield SSE_DONE
     finally:
         parts.cancel()
 
@@ -93,38 +101,22 @@ class OpenAIRouter:
         parts: DeploymentResponseGenerator = handle.options(stream=True).serve_http.remote(
             request.method, path, data, **hints.as_kwargs()
         )
-        head = await parts.__anext__()
+        try:
+            head = await parts.__anext__()
+        except RayError as e:  # the server died before it answered
+            logger.warning("a forwarded request's server failed: %s", e)
+            return error_response(EngineDeadError(str(e)))
         assert isinstance(head, ResponseHead)
         if head.body is not None:
             return Response(head.body, head.status, headers=dict(head.headers))
         return StreamingResponse(_relay(parts), head.status, headers=dict(head.headers))
 
-    async def generate(
-        self,
-        prompt: Any,
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None,
-        lora_request: LoRARequest | None = None,
-        session_id: str | None = None,
-    ) -> RequestOutput:
-        """`LLMServer.generate` on the replica the router picks."""
-        handle = self._handle(serve.get_multiplexed_model_id())
-        return await handle.generate.remote(
-            prompt, sampling_params, request_id, lora_request=lora_request, session_id=session_id
-        )
+    async def generate(self, *args: Any, **kwargs: Any) -> RequestOutput:
+        """`LLMServer.generate`, its arguments as they are, on the replica the router picks."""
+        return await self._handle(serve.get_multiplexed_model_id()).generate.remote(*args, **kwargs)
 
-    async def generate_stream(
-        self,
-        prompt: Any,
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None,
-        lora_request: LoRARequest | None = None,
-        session_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """`LLMServer.generate_stream` on the replica the router picks."""
+    async def generate_stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """`LLMServer.generate_stream`, its arguments as they are, on the replica the router picks."""
         handle = self._handle(serve.get_multiplexed_model_id()).options(stream=True)
-        async for out in handle.generate_stream.remote(
-            prompt, sampling_params, request_id, lora_request=lora_request, session_id=session_id
-        ):
+        async for out in handle.generate_stream.remote(*args, **kwargs):
             yield out
-
