@@ -11,7 +11,9 @@ import json
 import os
 import random
 import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -200,6 +202,48 @@ def test_the_ingress_answers_errors_as_one_server_would(
     assert models["object"] == "list" and len(models["data"]) == 1
 
 
+def _kill(class_name: str) -> None:
+    for actor in list_actors(filters=[("state", "=", "ALIVE")]):
+        if actor.class_name == class_name:
+            os.kill(actor.pid, signal.SIGKILL)
+
+
+def test_a_restarted_router_rebuilds_its_index_from_the_replicas_reports(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """The router ingress (which holds the router) killed after four
+    documents were served at once (so both replicas hold some: the router
+    counts what it sent where before the reports do): its replacement knows
+    where each one is cached from the replicas' reports alone, and every
+    follow-up is a full hit."""
+    _, url = two_replicas
+    rng = random.Random(14)
+    docs = [[rng.randrange(5, 4000) for _ in range(64)] for _ in range(4)]
+
+    def send(doc: list[int]) -> int:
+        body = {"prompt": doc, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        return requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code
+
+    with ThreadPoolExecutor(len(docs)) as pool:
+        assert list(pool.map(send, docs)) == [200] * len(docs)
+    _kill("ServeReplica:kvr:OpenAIRouter")
+    deadline = time.monotonic() + 120
+    while _health(url) != 200:  # Serve replaces the ingress; the proxy answers 503 meanwhile
+        assert time.monotonic() < deadline, "the router ingress was not replaced"
+        time.sleep(0.25)
+    for doc in docs:
+        body = {"prompt": doc + [9, 10, 11], "max_tokens": 2, "temperature": 0}
+        usage = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).json()["usage"]
+        assert _cached(usage) == 64
+
+
+def _health(url: str) -> int:
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code
+    except requests.RequestException:
+        return 0
+
+
 def test_a_server_that_dies_mid_stream_ends_it_with_an_error_event(
     two_replicas: tuple[serve.handle.DeploymentHandle, str],
 ) -> None:
@@ -212,9 +256,7 @@ def test_a_server_that_dies_mid_stream_ends_it_with_an_error_event(
     with requests.post(f"{url}/v1/completions", json=body, headers=AUTH, stream=True, timeout=120) as r:
         lines = (line for line in r.iter_lines() if line.startswith(b"data: "))
         events.append(next(lines))
-        for actor in list_actors(filters=[("state", "=", "ALIVE")]):
-            if actor.class_name == "ServeReplica:kvr:LLMServer":
-                os.kill(actor.pid, signal.SIGKILL)
+        _kill("ServeReplica:kvr:LLMServer")
         events.extend(lines)
     assert json.loads(events[0][6:])["choices"]
     assert events[-1] == b"data: [DONE]"

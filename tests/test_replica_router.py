@@ -39,6 +39,14 @@ def test_the_longest_hit_wins_among_equal_loads_and_ties_go_to_fewer_running() -
     assert rank_replicas(["a", "b", "c"], 40, {}, loads, POLICY) == [["b"], ["c"], ["a"]]
 
 
+def test_at_equal_cost_the_replica_holding_the_prefix_wins() -> None:
+    """A 40-token prompt whose 32 cached tokens sit behind 32 queued ones on
+    `b` costs what it costs on the idle `a`; the prefix wins the tie (even
+    against fewer running requests and an earlier id)."""
+    loads = {"a": ReplicaLoad(num_running=0), "b": ReplicaLoad(num_running=3, num_queued_tokens=32)}
+    assert rank_replicas(["a", "b"], 40, {"b": 8}, loads, POLICY)[0] == ["b"]
+
+
 def test_a_hot_prefix_spills_once_its_replicas_queue_outweighs_the_hit() -> None:
     hits = {"a": 8}  # 32 of the 40 prompt tokens cached on a
     busy = {"a": ReplicaLoad(num_queued_tokens=31), "b": ReplicaLoad()}

@@ -8,7 +8,8 @@ short; as a hot prefix piles requests onto one replica its queue grows
 until recomputing the prefix elsewhere is cheaper, so the prefix spreads
 instead of drowning one replica. A session (the `x-session-id` header or
 the `user` field) stays on its replica while that replica is not
-overloaded. Ties go to fewer running requests, then the replica id.
+overloaded. Ties go to the longer hit, then fewer running requests, then
+the replica id.
 
 Ray-free: the Serve request router (entrypoints/kv_router.py) feeds the
 index from the replicas' reports and asks `rank_replicas`.
@@ -150,10 +151,10 @@ def rank_replicas(
         return []
     empty = ReplicaLoad()
 
-    def cost(replica: str) -> tuple[int, int, str]:
+    def cost(replica: str) -> tuple[int, int, int, str]:
         load = loads.get(replica, empty)
         hit_tokens = min(hits.get(replica, 0) * policy.block_size, max(prompt_tokens - 1, 0))
-        return (load.num_queued_tokens + prompt_tokens - hit_tokens, load.num_running, replica)
+        return (load.num_queued_tokens + prompt_tokens - hit_tokens, -hit_tokens, load.num_running, replica)
 
     def overloaded(replica: str) -> bool:
         return loads.get(replica, empty).kv_usage > policy.max_kv_usage

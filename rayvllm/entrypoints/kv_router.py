@@ -7,9 +7,11 @@ blocks its engine caches, which the engine's block events keep exact. The
 router hashes a request's prompt tokens as the engines do, asks the index
 which replica holds the longest prefix, and ranks the replicas by queued
 work plus uncached prompt (`rank_replicas`). A request it sends somewhere
-counts there at once, so a follow-up routed before the next report finds
-it; a report replaces what the replica held (its evictions included), and
-a replica that left is forgotten. Routing never waits for a report: a
+counts there at once: its blocks, so a follow-up routed before the next
+report finds them, and its uncached prompt as queued work until it ends or
+the replica's next report covers it, so a burst spreads before the reports
+catch up. A report replaces what the replica held (its evictions
+included), and a replica that left is forgotten. Routing never waits for a report: a
 replica without one counts as idle and empty.
 
 The router reads a request's prompt and session from the call's
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.serve.request_router import (
@@ -43,6 +46,16 @@ MAX_SESSIONS = 65536
 RECENT_ROUTES_S = 10.0
 
 
+@dataclass(frozen=True)
+class _Routing:
+    """What a request's routing saw, kept until Serve says where it went."""
+
+    keys: list[bytes]
+    session: str | None
+    num_tokens: int
+    hits: dict[str, int]
+
+
 class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
     """Not FIFO: a replica chosen for a request must serve that request
     (Serve's FIFO mixin hands it to whichever request waits first)."""
@@ -61,7 +74,12 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._seen_reports: dict[str, int] = {}  # replica -> id() of the report absorbed last
         self._recent: dict[str, deque[tuple[float, list[bytes]]]] = {}
         self._sessions: OrderedDict[str, str] = OrderedDict()
-        self._routing: dict[str, tuple[list[bytes], str | None]] = {}  # internal request id -> (keys, session)
+        self._routing: dict[str, _Routing] = {}  # internal request id -> what routing it saw
+        # Per replica, the requests and uncached prompt tokens sent there
+        # since its last report and not yet ended (`_inflight`: request id ->
+        # replica, tokens): a burst spreads before the reports catch up.
+        self._unreported: dict[str, tuple[int, int]] = {}
+        self._inflight: dict[str, tuple[str, int]] = {}
 
     # ---- Serve's hooks ---------------------------------------------------------------
 
@@ -84,12 +102,12 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             return self.rank_replicas_via_multiplex(candidate_replicas, model_id)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         keys, num_tokens, session = self._request_keys(pending_request)
-        if pending_request is not None:
-            self._routing[pending_request.metadata.internal_request_id] = (keys, session)
         ids = list(by_id)
         hits = self._index.prefix_hits(keys, ids) if keys else {}
+        if pending_request is not None:
+            self._routing[pending_request.metadata.internal_request_id] = _Routing(keys, session, num_tokens, hits)
         sticky = self._sessions.get(session) if session is not None else None
-        ranks = rank_replicas(ids, num_tokens, hits, self._loads, self._policy, sticky)
+        ranks = rank_replicas(ids, num_tokens, hits, self._current_loads(ids), self._policy, sticky)
         if ranks and (hits.get(ranks[0][0], 0) > 0 or ranks[0][0] == sticky):
             # Serve moves on to the next rank as soon as a replica misses its
             # queue-length probe deadline (0.1 s at first), which a busy
@@ -101,8 +119,16 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         return [[by_id[r] for r in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        keys, session = self._routing.pop(pending_request.metadata.internal_request_id, ([], None))
+        routing = self._routing.pop(pending_request.metadata.internal_request_id, None)
+        if routing is None:
+            return
+        keys, session = routing.keys, routing.session
         replica = replica_id.unique_id
+        # Its prompt counts as queued there until it ends or the replica's
+        # next report covers it.
+        uncached = max(routing.num_tokens - routing.hits.get(replica, 0) * self._policy.block_size, 0)
+        self._inflight[pending_request.metadata.internal_request_id] = (replica, uncached)
+        self._tally(replica, 1, uncached)
         if keys:
             self._index.add(replica, keys)
             self._recent.setdefault(replica, deque()).append((time.monotonic(), keys))
@@ -111,6 +137,11 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             self._sessions.move_to_end(session)
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        entry = self._inflight.pop(internal_request_id, None)
+        if entry is not None:
+            self._tally(entry[0], -1, -entry[1])
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -127,6 +158,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._seen_reports[rid] = id(report)
         load, keys = decode_report(report)
         self._loads[rid] = load
+        self._drop_unreported(rid)
         self._index.replace(rid, keys)
         recent = self._recent.get(rid)
         if recent:
@@ -136,9 +168,31 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             for _, routed in recent:
                 self._index.add(rid, routed)
 
+    def _current_loads(self, replicas: list[str]) -> dict[str, ReplicaLoad]:
+        """Each replica's last report plus what was sent to it since."""
+        loads = {}
+        for replica in replicas:
+            load = self._loads.get(replica, ReplicaLoad())
+            requests, tokens = self._unreported.get(replica, (0, 0))
+            loads[replica] = replace(
+                load, num_waiting=load.num_waiting + requests, num_queued_tokens=load.num_queued_tokens + tokens
+            )
+        return loads
+
+    def _tally(self, replica: str, requests: int, tokens: int) -> None:
+        had_requests, had_tokens = self._unreported.get(replica, (0, 0))
+        self._unreported[replica] = (had_requests + requests, had_tokens + tokens)
+
+    def _drop_unreported(self, replica: str) -> None:
+        """A report of `replica` covers what was sent there before it."""
+        self._unreported.pop(replica, None)
+        for request in [r for r, (rep, _) in self._inflight.items() if rep == replica]:
+            del self._inflight[request]
+
     def _forget(self, replica: str) -> None:
         self._index.forget(replica)
         self._loads.pop(replica, None)
+        self._drop_unreported(replica)
         self._seen_reports.pop(replica, None)
         self._recent.pop(replica, None)
         for session in [s for s, r in self._sessions.items() if r == replica]:
