@@ -73,6 +73,36 @@ def test_an_engines_report_names_exactly_the_blocks_it_caches(tiny_model_dir: Pa
     assert sorted(keys) == sorted(expected[:2]) and load.num_running == 0 and load.num_queued_tokens == 0
 
 
+def test_a_replicas_queue_counts_only_the_prompt_tokens_it_has_not_cached(tiny_model_dir: Path) -> None:
+    """Admitted and not yet prefilled: a follow-up whose 64-token prefix the
+    engine caches counts its 9 new tokens, a new 40-token prompt all 40 (a
+    replica full of hitting follow-ups is not busy)."""
+    rng = random.Random(4)
+    doc = [rng.randrange(5, 4000) for _ in range(64)]
+    fresh = [rng.randrange(5, 4000) for _ in range(40)]
+
+    async def main() -> int:
+        engine = async_llm_from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+        )
+        try:
+            async for _ in engine.generate({"prompt_token_ids": doc}, GREEDY, "a",
+                                           output_kind=RequestOutputKind.FINAL_ONLY):
+                pass
+            streams = [engine.add_request({"prompt_token_ids": doc + list(range(9, 18))}, GREEDY, "b"),
+                       engine.add_request({"prompt_token_ids": fresh}, GREEDY, "c")]
+            queued = engine.load().num_queued_tokens  # before the loop runs: both still queued
+            for stream in streams:
+                async for _ in stream:
+                    pass
+            assert engine.load().num_queued_tokens == 0
+            return queued
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(main()) == 9 + 40
+
+
 ray = pytest.importorskip("ray")
 
 from ray import serve  # noqa: E402

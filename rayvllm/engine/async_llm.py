@@ -29,11 +29,13 @@ from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.frontend.metrics import EngineMetrics
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor, PromptType
+from rayvllm.messages.block_hash import cached_prefix_tokens, request_extra_keys
 from rayvllm.messages.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.tokenizer import get_tokenizer
 
@@ -138,6 +140,8 @@ class AsyncLLM:
         # Prompt tokens per admitted user request with no output yet, and their sum.
         self._unprefilled: dict[str, int] = {}
         self._unprefilled_tokens = 0
+        # Their engine requests, for `load()`'s uncached count.
+        self._unprefilled_reqs: dict[str, list[EngineCoreRequest]] = {}
         self.step_timeout_s = STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
@@ -199,6 +203,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._unprefilled[request_id] = prompt_tokens
         self._unprefilled_tokens += prompt_tokens
+        self._unprefilled_reqs[request_id] = core_reqs
         try:
             # While the core is replaced the client holds it for the new one.
             self.engine_core.add_requests(core_reqs)
@@ -401,6 +406,7 @@ class AsyncLLM:
         """The request's prompt leaves the admission count (its first output
         came, or it ended before one)."""
         self._unprefilled_tokens -= self._unprefilled.pop(request_id, 0)
+        self._unprefilled_reqs.pop(request_id, None)
 
     def _deliver(self, out: EngineOutput, notify: bool) -> None:
         if out.finished:
@@ -491,13 +497,24 @@ class AsyncLLM:
 
     def load(self) -> ReplicaLoad:
         """This engine's load as of the core's latest push, and the prompt
-        tokens admitted and not yet prefilled: what routing and autoscaling
-        across replicas weigh it by."""
+        tokens admitted and not yet prefilled that its prefix cache does not
+        hold (as of the core's latest block events): what routing and
+        autoscaling across replicas weigh it by. A replica full of
+        follow-ups that hit is not busy."""
         stats = self.engine_core.latest_stats
+        cached_keys = self.engine_core.cached_block_keys
+        block_size = self.config.cache_config.block_size
+        queued = sum(
+            len(r.prompt_token_ids) - cached_prefix_tokens(
+                block_size, r.prompt_token_ids,
+                request_extra_keys(r.cache_salt, r.lora_request.lora_int_id if r.lora_request else None), cached_keys,
+            )
+            for reqs in self._unprefilled_reqs.values() for r in reqs
+        )
         return ReplicaLoad(
             num_running=stats.num_running_reqs if stats is not None else 0,
             num_waiting=stats.num_waiting_reqs if stats is not None else 0,
-            num_queued_tokens=self._unprefilled_tokens,
+            num_queued_tokens=queued,
             kv_usage=stats.kv_cache_usage if stats is not None else 0.0,
         )
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import Any, NewType
 
 # A 32-byte SHA-256 digest. `bytes` is hashable and compares by value, so it
@@ -113,6 +113,19 @@ def hit_block_hashes(
     if max_blocks == 0:
         return []
     return hash_request_tokens(block_size, token_ids[: max_blocks * block_size], extra_keys)
+
+
+def cached_prefix_tokens(
+    block_size: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None, cached_keys: Set[bytes]
+) -> int:
+    """Tokens of the leading blocks of `token_ids` whose routing keys are in
+    `cached_keys`: what a prefix-cache lookup would find there."""
+    hit = 0
+    for block_hash in hit_block_hashes(block_size, token_ids, extra_keys):
+        if routing_key(block_hash) not in cached_keys:
+            break
+        hit += block_size
+    return hit
 
 
 def hash_request_tokens(
