@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -50,19 +51,27 @@ def test_block_events_report_each_key_once_across_ranks() -> None:
     assert log.drain().evicted == [routing_key(_h(1))]
 
 
+def _engine(model: Path) -> Any:
+    return async_llm_from_engine_args(
+        EngineArgs(model=str(model), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    )
+
+
+async def _complete(engine: Any, prompt: list[int], request_id: str) -> None:
+    async for _ in engine.generate({"prompt_token_ids": prompt}, GREEDY, request_id,
+                                   output_kind=RequestOutputKind.FINAL_ONLY):
+        pass
+
+
 def test_an_engines_report_names_exactly_the_blocks_it_caches(tiny_model_dir: Path) -> None:
     """Through the engine loop and its client: after a 40-token prompt the
     report holds its two full 16-token blocks' keys, and the load."""
     prompt = [random.Random(3).randrange(5, 4000) for _ in range(40)]
 
     async def main() -> dict:
-        engine = async_llm_from_engine_args(
-            EngineArgs(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20)
-        )
+        engine = _engine(tiny_model_dir)
         try:
-            async for _ in engine.generate({"prompt_token_ids": prompt}, GREEDY, "r",
-                                           output_kind=RequestOutputKind.FINAL_ONLY):
-                pass
+            await _complete(engine, prompt, "r")
             return engine.routing_report()
         finally:
             engine.shutdown()
@@ -82,13 +91,9 @@ def test_a_replicas_queue_counts_only_the_prompt_tokens_it_has_not_cached(tiny_m
     fresh = [rng.randrange(5, 4000) for _ in range(40)]
 
     async def main() -> int:
-        engine = async_llm_from_engine_args(
-            EngineArgs(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20)
-        )
+        engine = _engine(tiny_model_dir)
         try:
-            async for _ in engine.generate({"prompt_token_ids": doc}, GREEDY, "a",
-                                           output_kind=RequestOutputKind.FINAL_ONLY):
-                pass
+            await _complete(engine, doc, "a")
             streams = [engine.add_request({"prompt_token_ids": doc + list(range(9, 18))}, GREEDY, "b"),
                        engine.add_request({"prompt_token_ids": fresh}, GREEDY, "c")]
             queued = engine.load().num_queued_tokens  # before the loop runs: both still queued

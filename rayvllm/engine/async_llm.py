@@ -29,7 +29,7 @@ from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.frontend.metrics import EngineMetrics
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor, PromptType
-from rayvllm.messages.block_hash import cached_prefix_tokens, request_extra_keys
+from rayvllm.messages.block_hash import cached_prefix_tokens, prefix_routing_keys, request_extra_keys
 from rayvllm.messages.engine_types import EngineCoreOutput, SchedulerStats
 from rayvllm.messages.errors import EngineDeadError, EngineOverloadedError, InvalidParameterError, RequestFailedError
 from rayvllm.messages.lora_request import LoRARequest
@@ -138,10 +138,10 @@ class AsyncLLM:
         self.max_pending_requests = max_pending_requests
         self.max_pending_prompt_tokens = max_pending_prompt_tokens
         # Prompt tokens per admitted user request with no output yet, and their sum.
-        self._unprefilled: dict[str, int] = {}
+        self._unprefilled: dict[str, list[EngineCoreRequest]] = {}
         self._unprefilled_tokens = 0
-        # Their engine requests, for `load()`'s uncached count.
-        self._unprefilled_reqs: dict[str, list[EngineCoreRequest]] = {}
+        # Their prompts' prefix routing keys, worked out once, at the first `load()`.
+        self._prefix_keys: dict[str, list[list[bytes]]] = {}
         self.step_timeout_s = STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayvllm-engine-step")
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
@@ -201,9 +201,8 @@ class AsyncLLM:
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._unprefilled[request_id] = prompt_tokens
+        self._unprefilled[request_id] = core_reqs
         self._unprefilled_tokens += prompt_tokens
-        self._unprefilled_reqs[request_id] = core_reqs
         try:
             # While the core is replaced the client holds it for the new one.
             self.engine_core.add_requests(core_reqs)
@@ -405,8 +404,9 @@ class AsyncLLM:
     def _prefilled(self, request_id: str) -> None:
         """The request's prompt leaves the admission count (its first output
         came, or it ended before one)."""
-        self._unprefilled_tokens -= self._unprefilled.pop(request_id, 0)
-        self._unprefilled_reqs.pop(request_id, None)
+        reqs = self._unprefilled.pop(request_id, [])
+        self._unprefilled_tokens -= sum(len(r.prompt_token_ids) for r in reqs)
+        self._prefix_keys.pop(request_id, None)
 
     def _deliver(self, out: EngineOutput, notify: bool) -> None:
         if out.finished:
@@ -502,15 +502,19 @@ class AsyncLLM:
         autoscaling across replicas weigh it by. A replica full of
         follow-ups that hit is not busy."""
         stats = self.engine_core.latest_stats
-        cached_keys = self.engine_core.cached_block_keys
+        cached = self.engine_core.cached_block_keys
         block_size = self.config.cache_config.block_size
-        queued = sum(
-            len(r.prompt_token_ids) - cached_prefix_tokens(
-                block_size, r.prompt_token_ids,
-                request_extra_keys(r.cache_salt, r.lora_request.lora_int_id if r.lora_request else None), cached_keys,
-            )
-            for reqs in self._unprefilled_reqs.values() for r in reqs
-        )
+        queued = 0
+        for request_id, reqs in self._unprefilled.items():
+            keys = self._prefix_keys.get(request_id)
+            if keys is None:
+                keys = self._prefix_keys[request_id] = [
+                    prefix_routing_keys(block_size, r.prompt_token_ids, request_extra_keys(
+                        r.cache_salt, r.lora_request.lora_int_id if r.lora_request else None))
+                    for r in reqs
+                ]
+            queued += sum(len(r.prompt_token_ids) - cached_prefix_tokens(block_size, k, cached)
+                          for r, k in zip(reqs, keys))
         return ReplicaLoad(
             num_running=stats.num_running_reqs if stats is not None else 0,
             num_waiting=stats.num_waiting_reqs if stats is not None else 0,

@@ -37,7 +37,7 @@ from ray.serve.request_router import (
 )
 
 from rayvllm.core.replica_router import ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, decode_report, rank_replicas
-from rayvllm.messages.block_hash import hit_block_hashes, routing_key
+from rayvllm.messages.block_hash import prefix_routing_keys
 
 # Sessions remembered (least recently used go first).
 MAX_SESSIONS = 65536
@@ -215,7 +215,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             tokens = self._tokens(args[0] if args else kwargs.get("prompt"))
         if tokens is None:
             return [], 0, session
-        return [routing_key(h) for h in hit_block_hashes(self._policy.block_size, tokens)], len(tokens), session
+        return prefix_routing_keys(self._policy.block_size, tokens), len(tokens), session
 
     def _tokens(self, prompt: Any) -> list[int] | None:
         if isinstance(prompt, dict):

@@ -115,14 +115,17 @@ def hit_block_hashes(
     return hash_request_tokens(block_size, token_ids[: max_blocks * block_size], extra_keys)
 
 
-def cached_prefix_tokens(
-    block_size: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None, cached_keys: Set[bytes]
-) -> int:
-    """Tokens of the leading blocks of `token_ids` whose routing keys are in
+def prefix_routing_keys(block_size: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> list[bytes]:
+    """Routing keys of the blocks of `token_ids` that can count as prefix-cache hits."""
+    return [routing_key(h) for h in hit_block_hashes(block_size, token_ids, extra_keys)]
+
+
+def cached_prefix_tokens(block_size: int, keys: Sequence[bytes], cached_keys: Set[bytes]) -> int:
+    """Tokens of the leading blocks (`prefix_routing_keys`) found in
     `cached_keys`: what a prefix-cache lookup would find there."""
     hit = 0
-    for block_hash in hit_block_hashes(block_size, token_ids, extra_keys):
-        if routing_key(block_hash) not in cached_keys:
+    for key in keys:
+        if key not in cached_keys:
             break
         hit += block_size
     return hit
