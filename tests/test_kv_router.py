@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -123,7 +124,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def two_replicas(serve_local: str, tiny_model_dir: Path) -> Iterator[tuple[serve.handle.DeploymentHandle, str]]:
     """Two replicas behind the router ingress: its handle, and its URL through Serve's proxy."""
-    args = dict(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20,
+    args = dict(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=1100, kv_cache_memory_bytes=8 << 20,
                 num_replicas=2, api_key=API_KEY)
     try:
         yield serve.run(build_app(args), name="kvr", route_prefix="/kvr"), f"{serve_local}/kvr"
@@ -279,20 +280,78 @@ def _health(url: str) -> int:
         return 0
 
 
-def test_a_server_that_dies_mid_stream_ends_it_with_an_error_event(
+def _kill_the_busy_server() -> int:
+    """SIGKILL the one server replica running requests now; their number."""
+    busy = []
+    for actor in list_actors(filters=[("class_name", "=", "ServeReplica:kvr:LLMServer"), ("state", "=", "ALIVE")]):
+        report = ray.get(ray.get_actor(actor.name, namespace="serve").record_routing_stats.remote())
+        running = decode_report(report)[0].num_running
+        if running:
+            busy.append((actor.pid, running))
+    assert len(busy) == 1, busy
+    os.kill(busy[0][0], signal.SIGKILL)
+    return busy[0][1]
+
+
+def _streams_cut_by_a_kill(url: str, bodies: list[dict]) -> tuple[int, list[list[bytes]]]:
+    """Each body streamed through the router (one session, so one server),
+    the server killed once every stream has its first event: how many
+    requests it was running, and each stream's events as its client read them."""
+    barrier = threading.Barrier(len(bodies) + 1)
+    headers = {**AUTH, "x-session-id": "moving"}
+
+    def read(body: dict) -> list[bytes]:
+        with requests.post(f"{url}/v1/completions", json=body, headers=headers, stream=True, timeout=120) as r:
+            assert r.status_code == 200
+            lines = (line for line in r.iter_lines() if line.startswith(b"data: "))
+            events = [next(lines)]
+            barrier.wait(timeout=60)
+            events.extend(lines)
+        return events
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        reads = [pool.submit(read, body) for body in bodies]
+        barrier.wait(timeout=60)
+        running = _kill_the_busy_server()
+        return running, [f.result() for f in reads]
+
+
+# Long enough that the kill lands mid-stream (the server reports them running).
+LONG = {"prompt": "Once upon a time in a land far away", "max_tokens": 1000, "ignore_eos": True}
+
+
+def test_a_stream_whose_server_dies_moves_to_another_unbroken(
     two_replicas: tuple[serve.handle.DeploymentHandle, str],
 ) -> None:
-    """Both servers killed (SIGKILL) while a stream runs through the router
-    ingress: the client gets the in-band error event a failing engine sends,
-    then [DONE], not a cut connection."""
+    """A greedy and a seeded stream on one server, killed (SIGKILL) mid-way:
+    each moves to the other server and the client reads one unbroken
+    stream, one id, its text and usage equal to an undisturbed run's."""
     _, url = two_replicas
-    body = {"prompt": [5] * 8, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    events: list[bytes] = []
-    with requests.post(f"{url}/v1/completions", json=body, headers=AUTH, stream=True, timeout=120) as r:
-        lines = (line for line in r.iter_lines() if line.startswith(b"data: "))
-        events.append(next(lines))
-        _kill("ServeReplica:kvr:LLMServer")
-        events.extend(lines)
+    bodies = [{**LONG, "temperature": 0}, {**LONG, "temperature": 0.9, "seed": 5}]
+    expected = [requests.post(f"{url}/v1/completions", json=b, headers=AUTH, timeout=120).json() for b in bodies]
+    streamed = [{**b, "stream": True, "stream_options": {"include_usage": True}} for b in bodies]
+    running, streams = _streams_cut_by_a_kill(url, streamed)
+    assert running == 2
+    for events, whole in zip(streams, expected):
+        assert events[-1] == b"data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert all("error" not in c for c in chunks), chunks[-3:]
+        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == whole["choices"][0]["text"]
+        assert len({c["id"] for c in chunks}) == 1
+        usage = chunks[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+            whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"]
+        )
+
+
+def test_a_stream_that_cannot_move_ends_with_an_error_event(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """Two choices (which another server could not rebuild mid-way): the
+    server killed under it, the client gets the in-band error event a
+    failing engine sends, then [DONE], not a cut connection."""
+    _, url = two_replicas
+    _, (events,) = _streams_cut_by_a_kill(url, [{**LONG, "n": 2, "temperature": 0, "stream": True}])
     assert json.loads(events[0][6:])["choices"]
     assert events[-1] == b"data: [DONE]"
     error = json.loads(events[-2][6:])["error"]

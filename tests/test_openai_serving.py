@@ -36,6 +36,7 @@ from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, Mode
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput
 from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.demo import demo_model_path
 from rayvllm.utils.tokenizer import get_tokenizer
@@ -99,9 +100,10 @@ class FakeEngine(ProcessorEngine):
 
     def add_request(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, resume: ResumePoint | None = None,
     ) -> "FakeStream":
-        """Validates at once, as `AsyncLLM.add_request` does."""
+        """Validates at once, as `AsyncLLM.add_request` does (and resumes nothing)."""
+        assert resume is None
         request = self.processor.process(
             request_id, prompt, params, add_special_tokens=add_special_tokens, lora_request=lora_request
         )

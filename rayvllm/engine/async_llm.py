@@ -36,6 +36,7 @@ from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
 from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.tokenizer import get_tokenizer
 
@@ -172,13 +173,16 @@ class AsyncLLM:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
+        resume: ResumePoint | None = None,
     ) -> RequestStream:
         """Validate and admit the request now, on the event loop, and return
         its stream: invalid input, overload or a dead engine raise here,
         before any token is computed, so a server can answer with an error
         status, or send a streaming response's headers at once. The caller
         owns the stream and must `aclose()` it (closing before the end
-        aborts the request)."""
+        aborts the request). `resume`: the request continues a stream that
+        another engine began (n=1, DELTA outputs): its outputs start after
+        the tokens and text the client has (`ResumePoint`)."""
         self._ensure_running()
         if request_id in self._queues:
             raise InvalidParameterError("request_id", f"request {request_id!r} is already running")
@@ -191,6 +195,8 @@ class AsyncLLM:
             request_id, prompt, params, priority=priority, add_special_tokens=add_special_tokens,
             lora_request=lora_request,
         )
+        if resume is not None:
+            _resume_at(core_reqs, resume, output_kind, self.max_model_len)
         prompt_tokens = sum(len(r.prompt_token_ids) for r in core_reqs)
         limit = self.max_pending_prompt_tokens
         if limit is not None and self._unprefilled and self._unprefilled_tokens + prompt_tokens > limit:
@@ -198,7 +204,9 @@ class AsyncLLM:
                 f"{self._unprefilled_tokens} prompt tokens are already waiting for prefill "
                 f"(max_pending_prompt_tokens={limit}); retry later"
             )
-        self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
+        self.output_processor.add_fanout(
+            request_id, core_reqs, prompt_text, output_kind, sent_text_chars=resume.text_chars if resume else 0
+        )
         queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._unprefilled[request_id] = core_reqs
@@ -532,3 +540,17 @@ class AsyncLLM:
         """The Prometheus text of fresh metrics, and its Content-Type."""
         await self.refresh_stats()
         return self.metrics.render()
+
+
+def _resume_at(
+    core_reqs: list[EngineCoreRequest], resume: ResumePoint, output_kind: RequestOutputKind, max_model_len: int
+) -> None:
+    """Give the one engine-core request the output its stream already has."""
+    if len(core_reqs) != 1 or output_kind is not RequestOutputKind.DELTA:
+        raise InvalidParameterError("resume", "only a streamed (DELTA) request with n=1 resumes")
+    (req,) = core_reqs
+    produced = len(resume.output_token_ids)
+    assert req.sampling_params.max_tokens is not None
+    if produced >= req.sampling_params.max_tokens or len(req.prompt_token_ids) + produced >= max_model_len:
+        raise InvalidParameterError("resume", f"{produced} tokens already reach the request's length limit")
+    req.output_token_ids = list(resume.output_token_ids)

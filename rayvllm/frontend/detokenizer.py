@@ -451,6 +451,14 @@ class RequestDetokenizer:
             return None
         return self._stop_string(check_from)
 
+    def resume(self, token_ids: Sequence[int], sent_chars: int) -> None:
+        """Take `token_ids` as produced already (by an engine this stream
+        left), and the first `sent_chars` characters of their text as sent.
+        That engine found no stop string in them, or it would have finished."""
+        assert not self.output_token_ids, "a sequence resumes before it produces"
+        self.update(token_ids, stop_terminated=False)
+        self._sent_offset = min(sent_chars, len(self.output_text))
+
     def _stop_string(self, check_from: int) -> str | None:
         """The stop string ending in the text after `check_from`, if any:
         then the text is cut at it and the sequence is finished."""

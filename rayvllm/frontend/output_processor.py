@@ -270,6 +270,7 @@ class OutputProcessor:
         index: int = 0,
         n: int = 1,
         output_kind: RequestOutputKind | None = None,
+        sent_text_chars: int = 0,
     ) -> None:
         """Start tracking one engine-core request.
 
@@ -277,7 +278,11 @@ class OutputProcessor:
         user's request id as `parent_id`, the child's `index` and `n`. With
         `parent_id=None` the request stands alone and `n` must be 1.
         `output_kind` defaults to `sampling_params.output_kind` when that
-        exists, else CUMULATIVE (vLLM's default).
+        exists, else CUMULATIVE (vLLM's default). A request that resumes a
+        stream from another engine comes with its `output_token_ids` (the
+        tokens its client has) and `sent_text_chars` (of their text, what
+        the client has): DELTA outputs continue after both. The logprobs of
+        those tokens are not held here; the client has them.
         """
         req_id = core_req.request_id
         params = core_req.sampling_params
@@ -321,6 +326,9 @@ class OutputProcessor:
             # The first prompt token has no logprob: nothing precedes it.
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        if core_req.output_token_ids:
+            state.detokenizer.resume(core_req.output_token_ids, sent_text_chars)
+            state.sent_tokens = len(core_req.output_token_ids)
         # Registered only now, so a rejected add leaves no trace.
         self._groups[group_id] = group
         group.sequences[index] = state
@@ -337,14 +345,16 @@ class OutputProcessor:
         core_reqs: list[EngineCoreRequest],
         prompt: str | None,
         output_kind: RequestOutputKind | None = None,
+        sent_text_chars: int = 0,
     ) -> None:
         """Track what `Processor.process_with_fanout` made of user request
-        `request_id`: the request itself, or its n children as one group."""
+        `request_id`: the request itself, or its n children as one group
+        (`sent_text_chars`: as for `add_request`)."""
         n = len(core_reqs)
         for index, core_req in enumerate(core_reqs):
             self.add_request(
                 core_req, prompt, parent_id=request_id if n > 1 else None, index=index, n=n,
-                output_kind=output_kind,
+                output_kind=output_kind, sent_text_chars=sent_text_chars,
             )
 
     def has_unfinished_requests(self) -> bool:

@@ -23,7 +23,7 @@ from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
-from rayvllm.entrypoints.openai.forwarding import ResponseHead, forwarded_routes, response_parts
+from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead, forwarded_routes, response_parts
 from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -38,6 +38,7 @@ from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from rayvllm.entrypoints.openai.stream_resume import StreamResume
 from rayvllm.messages.errors import ModelNotFoundError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
@@ -154,13 +155,13 @@ class LLMServerImpl:
 
     @app.post("/v1/completions")
     @openai_route(CompletionRequest, before=_multiplexed_adapter)
-    async def completions(self, body: CompletionRequest) -> Reply:
-        return await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}")
+    async def completions(self, body: CompletionRequest, resume: StreamResume | None = None) -> Reply:
+        return await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}", resume)
 
     @app.post("/v1/chat/completions")
     @openai_route(ChatCompletionRequest, before=_multiplexed_adapter)
-    async def chat_completions(self, body: ChatCompletionRequest) -> Reply:
-        return await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}")
+    async def chat_completions(self, body: ChatCompletionRequest, resume: StreamResume | None = None) -> Reply:
+        return await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}", resume)
 
     @app.post("/v1/responses")
     @openai_route(ResponsesRequest, before=_multiplexed_adapter)
@@ -262,15 +263,21 @@ class LLMServerImpl:
         *,
         prompt_token_ids: list[int] | None = None,
         session_id: str | None = None,
-    ) -> AsyncIterator[ResponseHead | str | bytes]:
+        resume: StreamResume | None = None,
+    ) -> AsyncIterator[ResponseHead | ForwardedChunk | str | bytes]:
         """The HTTP route `method path` on `data`, for the router ingress in
         front of several replicas (router_ingress.py), which read the body
         and checked the caller's key: a `ResponseHead`, then a stream's
         chunks. `prompt_token_ids` and `session_id` are the KV-aware
-        router's hints; the replica itself ignores them."""
+        router's hints; the replica itself ignores them. `resume`: the
+        stream (of a completion or chat route) continues from there, after
+        its replica died."""
         spec = FORWARDED_ROUTES.get((method, path))
+        route_kwargs = {"resume": resume} if resume is not None else {}
         response = (
-            await spec.forwarded(self, data) if spec is not None else JSONResponse({"detail": "Not Found"}, 404)
+            await spec.forwarded(self, data, **route_kwargs)
+            if spec is not None
+            else JSONResponse({"detail": "Not Found"}, 404)
         )
         async for part in response_parts(response):
             yield part

@@ -16,6 +16,7 @@ from rayvllm.frontend.processor import PromptType
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,11 +65,13 @@ class EngineClient(Protocol):
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
+        resume: ResumePoint | None = None,
     ) -> OutputStream:
         """Admit the request now and return its stream of outputs (DELTA
         by default): each carries, for the sequences touched in a step,
         only what is new; `finished` is True on the last. Closing the
-        stream before its end aborts the request."""
+        stream before its end aborts the request. `resume`: continue a
+        stream another engine began, after what its client has."""
         ...
 
     def generate(

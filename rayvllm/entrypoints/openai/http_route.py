@@ -111,11 +111,15 @@ def openai_route(
     function (`dict` takes the object as it is; None: no body is read);
     then the route itself. The handler's `FORWARDED_ATTR` attribute runs
     the same route, less authorization and reading, on a body that the
-    router ingress in front read and whose caller it authorized.
+    router ingress in front read and whose caller it authorized, with
+    keyword arguments of the route's own that no client sends (a stream's
+    resume point).
     """
 
     def wrap(route: RouteBody) -> Handler:
-        async def answer(self: Any, read: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
+        async def answer(
+            self: Any, read: Callable[[], Awaitable[dict[str, Any]]], route_kwargs: dict[str, Any]
+        ) -> Response:
             """The route past authorization: `before`, the body from `read`, the work."""
             try:
                 if before is not None:
@@ -127,7 +131,7 @@ def openai_route(
                     parsed = parse_request(body, data)
                 else:
                     parsed = body(data)
-                return _reply(await route(self, parsed))
+                return _reply(await route(self, parsed, **route_kwargs))
             except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body
                 return error_response(e)
 
@@ -141,9 +145,9 @@ def openai_route(
                     authorize(request, owner.api_key)
                 except Exception as e:  # noqa: BLE001
                     return error_response(e)
-            return await answer(self, lambda: read_json(request, owner.max_request_bytes))
+            return await answer(self, lambda: read_json(request, owner.max_request_bytes), {})
 
-        async def forwarded(self: Any, data: dict[str, Any] | None) -> Response:
+        async def forwarded(self: Any, data: dict[str, Any] | None, **route_kwargs: Any) -> Response:
             """The route for a body an ingress in front has already read
             (bounded) and whose caller it has authorized."""
 
@@ -152,7 +156,7 @@ def openai_route(
                     raise InvalidParameterError("body", "must be a JSON object")
                 return data
 
-            return await answer(self, given)
+            return await answer(self, given, route_kwargs)
 
         # Not functools.wraps: FastAPI reads the signature through
         # `__wrapped__`, and this handler's is (self, request). Serve's

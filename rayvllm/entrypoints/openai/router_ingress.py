@@ -10,29 +10,33 @@ and calls one server through a handle, where the KV-aware router
 prefix. The server answers the route as it would have itself
 (`LLMServer.serve_http`) and the answer comes back in parts
 (forwarding.py): one head, then a stream's chunks as they are made.
-Python handle calls (`generate`, `generate_stream`) pass through as they
-are. It holds no engine and asks Ray for no CPU.
+When a server dies mid-stream, the stream moves: another server continues
+it from the tokens and text the client has (stream_resume.py), so the
+client reads one unbroken stream. Python handle calls (`generate`,
+`generate_stream`) pass through as they are. It holds no engine and asks
+Ray for no CPU.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes'
 # annotations as types when they are declared.
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES, SERVER_ACTOR_OPTIONS
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
-from rayvllm.entrypoints.openai.forwarding import ResponseHead
+from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead
 from rayvllm.entrypoints.openai.http_route import authorize, error_response, read_json
 from rayvllm.entrypoints.openai.routing_hints import routing_hints
 from rayvllm.entrypoints.openai.server_args import ServerArgs
+from rayvllm.entrypoints.openai.stream_resume import StreamResume
 from rayvllm.entrypoints.openai.streams import SSE_DONE, sse_error
 from rayvllm.messages.errors import EngineDeadError
 from rayvllm.messages.outputs import RequestOutput
@@ -45,13 +49,47 @@ app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayv
 MULTIPLEX_HEADER = "serve_multiplexed_model_id"
 
 
-async def _relay(parts: DeploymentResponseGenerator) -> AsyncIterator[str | bytes]:
+Reissue = Callable[[StreamResume], DeploymentResponseGenerator]
+
+
+async def _relay(
+    parts: DeploymentResponseGenerator, resume: StreamResume | None, reissue: Reissue, limit: int
+) -> AsyncIterator[str | bytes]:
     """A stream's chunks; a client that leaves cancels the server's stream
-    (which ends its requests there). A server that dies mid-stream ends it
-    as a failing engine does: an in-band error event, then [DONE]."""
+    (which ends its requests there). When its server dies, a resumable
+    stream (`resume` set: where it started) is asked of a server again,
+    from where its client stands, up to `limit` times; Serve's router no
+    longer picks the dead one. Any other failure, or one past the limit,
+    ends the stream as a failing engine does: an in-band error event, then
+    [DONE]."""
+    moves = 0
+    awaiting_head = False
     try:
-        async for chunk in parts:
-            yield chunk
+        while True:
+            try:
+                if awaiting_head:
+                    head = await parts.__anext__()
+                    awaiting_head = False
+                    if head.body is not None:  # the new server answered with an error
+                        yield b"data: " + head.body + b"\n\n"
+                        yield SSE_DONE
+                        return
+                async for part in parts:
+                    if isinstance(part, ForwardedChunk):
+                        assert resume is not None
+                        resume.advance(part.token_ids, part.text_chars, part.num_cached_tokens, part.finished)
+                        yield part.data
+                    else:
+                        yield part
+                return
+            except (RayActorError, ActorUnavailableError) as e:
+                if resume is None or resume.finished or moves >= limit:
+                    raise
+                moves += 1
+                logger.warning("a forwarded stream's server died (%s); it moves to another (%d of %d)", e, moves, limit)
+                parts.cancel()
+                parts = reissue(resume)
+                awaiting_head = True
     except RayError as e:
         logger.warning("a forwarded stream's server failed: %s", e)
         yield sse_error(EngineDeadError(str(e)))
@@ -71,6 +109,7 @@ class OpenAIRouter:
         args = ServerArgs.from_dict(server_args)
         self.api_key = args.api_key
         self.max_request_bytes = args.max_request_bytes
+        self.stream_migration_limit = args.stream_migration_limit
         self._server = server
         model_config = EngineArgs.from_dict(engine_args).create_engine_config().model_config
         self._served_model_name = model_config.served_model_name
@@ -97,10 +136,12 @@ class OpenAIRouter:
         except Exception as e:  # noqa: BLE001 - answered as the server would
             return error_response(e)
         hints = routing_hints(path, data, request.headers, self._tokenizer, self._served_model_name)
-        handle = self._handle(request.headers.get(MULTIPLEX_HEADER, ""))
-        parts: DeploymentResponseGenerator = handle.options(stream=True).serve_http.remote(
-            request.method, path, data, **hints.as_kwargs()
-        )
+        handle = self._handle(request.headers.get(MULTIPLEX_HEADER, "")).options(stream=True)
+
+        def call(resume: StreamResume | None = None) -> DeploymentResponseGenerator:
+            return handle.serve_http.remote(request.method, path, data, resume=resume, **hints.as_kwargs())
+
+        parts = call()
         try:
             head = await parts.__anext__()
         except RayError as e:  # the server died before it answered
@@ -109,7 +150,8 @@ class OpenAIRouter:
         assert isinstance(head, ResponseHead)
         if head.body is not None:
             return Response(head.body, head.status, headers=dict(head.headers))
-        return StreamingResponse(_relay(parts), head.status, headers=dict(head.headers))
+        relay = _relay(parts, head.resume, call, self.stream_migration_limit)
+        return StreamingResponse(relay, head.status, headers=dict(head.headers))
 
     async def generate(self, *args: Any, **kwargs: Any) -> RequestOutput:
         """`LLMServer.generate`, its arguments as they are, on the replica the router picks."""

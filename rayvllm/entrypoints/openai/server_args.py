@@ -90,6 +90,10 @@ class ServerArgs(BaseModel):
         "kv", description="with more than one replica: 'kv' sends each request where its prefix is cached, "
         "weighed against load; 'pow2' is Serve's own power-of-two-choices router",
     )
+    stream_migration_limit: int = Field(
+        3, ge=0, description="with more than one replica: how many times a stream whose replica dies moves to "
+        "another, continuing from the tokens sent (0: it ends with an error event)",
+    )
 
     @property
     def max_replicas(self) -> int:

@@ -53,6 +53,7 @@ from rayvllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels
+from rayvllm.entrypoints.openai.stream_resume import ProgressEvent, StreamResume
 from rayvllm.entrypoints.openai.streams import SSE_DONE, EngineStreams, EventStream, OutputStream, sse, sse_error
 from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
 from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -91,19 +92,28 @@ class _ChoiceState:
     logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text_len: int = 0  # characters already streamed (completions text_offset)
+    text_len: int = 0  # characters of generated text already streamed (completions text_offset)
     echoed: bool = False
 
 
 class _Tally:
     """Folds the DELTA outputs of one API request into per-prompt and
-    per-choice state. Choice index = prompt_index * n + sequence index."""
+    per-choice state. Choice index = prompt_index * n + sequence index.
+    `resume`: the stream continues where another replica left it (one
+    prompt, one choice): its tokens count, its text and echo were sent."""
 
-    def __init__(self, num_prompts: int, n: int, keep_outputs: bool) -> None:
+    def __init__(self, num_prompts: int, n: int, keep_outputs: bool, resume: StreamResume | None = None) -> None:
         self.n = n
         self.keep_outputs = keep_outputs
         self.prompts: list[_PromptState | None] = [None] * num_prompts
         self.choices: dict[int, _ChoiceState] = {}
+        self._resumed_cached_tokens: int | None = None
+        if resume is not None:
+            choice = self.choice(0)
+            choice.num_tokens = len(resume.output_token_ids)
+            choice.text_len = resume.text_chars
+            choice.echoed = True
+            self._resumed_cached_tokens = resume.num_cached_tokens
 
     def prompt(self, index: int) -> _PromptState:
         # A stream that ended without any output (a broken engine) reads as empty.
@@ -142,13 +152,21 @@ class _Tally:
         # Counted once per prompt, however many choices share it.
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts if p is not None)
         completion_tokens = sum(c.num_tokens for c in self.choices.values())
+        cached_tokens = self._resumed_cached_tokens
+        if cached_tokens is None:
+            cached_tokens = sum(p.num_cached_tokens for p in self.prompts if p is not None)
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokenUsageInfo(
-                cached_tokens=sum(p.num_cached_tokens for p in self.prompts if p is not None)
-            ),
+            prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens),
+        )
+
+    def tagged(self, event: str, choice: _ChoiceState, delta: CompletionOutput) -> ProgressEvent:
+        """`event` tagged with how far a resumable stream has come once it is sent."""
+        return ProgressEvent(
+            event, tuple(delta.token_ids), choice.text_len, self.prompt(0).num_cached_tokens,
+            delta.finish_reason is not None,
         )
 
 
@@ -166,6 +184,18 @@ def _named_for(req: CompletionRequest | ChatCompletionRequest) -> Iterator[None]
 
 def _response_id(prefix: str, request_id: str) -> str:
     return request_id if request_id.startswith(prefix) else f"{prefix}{request_id}"
+
+
+def _stream_resume(resumable: bool, resume: StreamResume | None, response_id: str) -> StreamResume | None:
+    """What a stream starts from when it may move replicas: where it resumes,
+    or for a new one its id and time; None when it cannot move (several
+    prompts or choices, an echo, prompt logprobs, a tool-call parser: state
+    another replica would not rebuild)."""
+    if resume is not None:
+        if not resumable:
+            raise InvalidParameterError("resume", "only a stream of one prompt and one choice resumes")
+        return resume
+    return StreamResume(response_id, int(time.time())) if resumable else None
 
 
 def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
@@ -259,8 +289,10 @@ class OpenAIServing:
         prompts: Sequence[PromptType],
         params: SamplingParams,
         request_id: str,
+        resume: StreamResume | None = None,
     ) -> EngineStreams:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        point = resume.point() if resume is not None else None
         created: list[OutputStream] = []
         _, lora = self.models.resolve(req.model)
         try:
@@ -268,7 +300,8 @@ class OpenAIServing:
                 for prompt, engine_id in zip(prompts, ids):
                     created.append(
                         self.engine.add_request(
-                            prompt, params, engine_id, add_special_tokens=req.add_special_tokens, lora_request=lora
+                            prompt, params, engine_id, add_special_tokens=req.add_special_tokens, lora_request=lora,
+                            resume=point,
                         )
                     )
         except BaseException:
@@ -279,27 +312,31 @@ class OpenAIServing:
     # ---- /v1/completions ----------------------------------------------------------
 
     async def create_completion(
-        self, req: CompletionRequest, request_id: str
+        self, req: CompletionRequest, request_id: str, resume: StreamResume | None = None
     ) -> CompletionResponse | EventStream:
         """A CompletionResponse, or with `stream` an `EventStream` of SSE strings.
 
         Raises (before any stream exists) ModelNotFoundError for an unknown
         model and InvalidParameterError/PromptTooLongError naming the field.
         Engine request ids: `request_id` for one prompt, else
-        `f"{request_id}-{prompt_index}"`.
+        `f"{request_id}-{prompt_index}"`. `resume`: continue a stream that
+        another replica began (`EventStream.resume` says which may).
         """
         model = self._model_name(req.model)
         with _named_for(req):
             params = req.to_sampling_params()
             prompts = _completion_prompts(req.prompt)
-        streams = await self._start(req, prompts, params, request_id)
-        tally = _Tally(len(prompts), params.n, keep_outputs=not req.stream)
-        response_id = _response_id("cmpl-", request_id)
-        created = int(time.time())
+            resumable = req.stream and len(prompts) == 1 and params.n == 1 and not req.echo
+            progress = _stream_resume(resumable and req.prompt_logprobs is None, resume, _response_id("cmpl-", request_id))
+        streams = await self._start(req, prompts, params, request_id, resume)
+        tally = _Tally(len(prompts), params.n, keep_outputs=not req.stream, resume=resume)
+        response_id = progress.response_id if progress else _response_id("cmpl-", request_id)
+        created = progress.created if progress else int(time.time())
         if req.stream:
-            events = self._completion_events(req, streams, tally, response_id, created, model)
+            events = self._completion_events(req, streams, tally, response_id, created, model, progress is not None)
             final = partial(CompletionStreamResponse, id=response_id, created=created, model=model, choices=[])
-            return EventStream(_framed(events, "completion", response_id, tally, final, req.include_usage), streams.aclose)
+            framed = _framed(events, "completion", response_id, tally, final, req.include_usage)
+            return EventStream(framed, streams.aclose, progress)
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 tally.absorb(prompt_index, out)
@@ -335,7 +372,9 @@ class OpenAIServing:
         response_id: str,
         created: int,
         model: str,
+        tag: bool,
     ) -> AsyncGenerator[str, None]:
+        """The stream's events; `tag`: each a `ProgressEvent`, for a stream that may move replicas."""
         include_usage = req.include_usage
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
@@ -346,7 +385,8 @@ class OpenAIServing:
                     response = CompletionStreamResponse(
                         id=response_id, created=created, model=model, choices=[chunk]
                     )
-                    yield sse(response, include_usage)
+                    event = sse(response, include_usage)
+                    yield tally.tagged(event, choice, delta) if tag else event
 
     def _completion_chunk(
         self, req: CompletionRequest, tally: _Tally, choice: _ChoiceState, delta: CompletionOutput
@@ -378,27 +418,32 @@ class OpenAIServing:
     # ---- /v1/chat/completions -------------------------------------------------------
 
     async def create_chat_completion(
-        self, req: ChatCompletionRequest, request_id: str
+        self, req: ChatCompletionRequest, request_id: str, resume: StreamResume | None = None
     ) -> ChatCompletionResponse | EventStream:
         """A ChatCompletionResponse, or with `stream` an `EventStream` of SSE strings.
 
         The conversation is rendered with the chat template and sent as text
         (tokenized with `req.add_special_tokens`, False by default). Errors
-        are raised before any stream exists, as for `create_completion`.
+        are raised before any stream exists, as for `create_completion`;
+        `resume` as there.
         """
         model = self._model_name(req.model)
         with _named_for(req):
             tools = ChatTools.from_request(req, self.enable_auto_tool_choice, self.tool_call_parser)
             params = self._with_tool_constraint(req.to_sampling_params(), tools)
             prompt = await self._render_chat(req, req.template_tools())
-        streams = await self._start(req, [prompt], params, request_id)
-        tally = _Tally(1, params.n, keep_outputs=not req.stream)
-        response_id = _response_id("chatcmpl-", request_id)
-        created = int(time.time())
+            resumable = req.stream and params.n == 1 and tools is None and req.prompt_logprobs is None
+            progress = _stream_resume(resumable, resume, _response_id("chatcmpl-", request_id))
+        streams = await self._start(req, [prompt], params, request_id, resume)
+        tally = _Tally(1, params.n, keep_outputs=not req.stream, resume=resume)
+        response_id = progress.response_id if progress else _response_id("chatcmpl-", request_id)
+        created = progress.created if progress else int(time.time())
         if req.stream:
-            events = self._chat_events(req, streams, tally, response_id, created, model, tools)
+            events = self._chat_events(
+                req, streams, tally, response_id, created, model, tools, progress is not None, resume is not None
+            )
             final = partial(ChatCompletionStreamResponse, id=response_id, created=created, model=model, choices=[])
-            return EventStream(_framed(events, "chat", response_id, tally, final, req.include_usage), streams.aclose)
+            return EventStream(_framed(events, "chat", response_id, tally, final, req.include_usage), streams.aclose, progress)
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 tally.absorb(prompt_index, out)
@@ -454,7 +499,11 @@ class OpenAIServing:
         created: int,
         model: str,
         tools: ChatTools | None,
+        tag: bool,
+        resumed: bool,
     ) -> AsyncGenerator[str, None]:
+        """The stream's events; `tag` as for completions; `resumed`: the
+        opening (the role) was sent by the replica that began it."""
         include_usage = req.include_usage
         # Per choice: its tool-call parser and whether it has called a tool.
         tool_states: dict[int, ChoiceToolCalls] = {}
@@ -466,13 +515,14 @@ class OpenAIServing:
 
         # The role comes first, once per choice, before any content (OpenAI's order).
         role = DeltaMessage(role="assistant", content="")
-        for index in range(tally.n):
+        for index in range(0 if resumed else tally.n):
             yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 for choice, delta in tally.absorb(prompt_index, out):
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
                         continue
+                    choice.text_len += len(delta.text)
                     logprobs = None
                     if req.logprobs:
                         logprobs = self._logprobs.chat(
@@ -490,7 +540,7 @@ class OpenAIServing:
                         finish_reason = ChatTools.finish_reason(finish_reason, choice.index in called)
                         if message.content is None and message.tool_calls is None and finish_reason is None:
                             continue
-                    yield chunk(
+                    event = chunk(
                         ChatCompletionResponseStreamChoice(
                             index=choice.index,
                             delta=message,
@@ -499,6 +549,7 @@ class OpenAIServing:
                             stop_reason=delta.stop_reason,
                         )
                     )
+                    yield tally.tagged(event, choice, delta) if tag else event
 
     # ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from rayvllm.entrypoints.openai.protocol import error_body
+from rayvllm.entrypoints.openai.stream_resume import StreamResume
 from rayvllm.messages.outputs import RequestOutput
 
 __all__ = ["SSE_DONE", "EngineStreams", "EventStream", "OutputStream", "sse", "sse_error"]
@@ -125,12 +126,20 @@ class EventStream(AsyncIterator[str]):
 
     The HTTP layer must `aclose()` it when it stops early, even if it never
     started iterating: its requests were admitted already, and closing the
-    engine streams is what aborts them.
+    engine streams is what aborts them. `resume` is set when the stream may
+    move to another replica mid-way (its events are then `ProgressEvent`s
+    up to the usage and [DONE]): where it starts.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        on_close: Callable[[], Awaitable[None]],
+        resume: StreamResume | None = None,
+    ) -> None:
         self._events = events
         self._on_close = on_close
+        self.resume = resume
 
     def __aiter__(self) -> "EventStream":
         return self
