@@ -18,9 +18,11 @@ both routers see the same prompts.
 Reported per router: the prefix-cache hit rate (the servers' own
 `usage.prompt_tokens_details.cached_tokens` over prompt tokens), TTFT p50
 and p99, output throughput, and the wall time. A repeated router name runs
-it again (both orders, to see what order costs). Ray Serve LLM over vLLM
-(its PrefixCacheAffinityRouter) is the peer this table is to carry; it
-needs the peer environment (bench/setup_peers.sh).
+it again (both orders, to see what order costs). `peer` in --routers runs
+Ray Serve LLM over vLLM's CPU engine with its PrefixCacheAffinityRouter,
+the same number of replicas (bench/peer_serve_llm.py, from the peer
+environment that bench/setup_peers.sh makes; vLLM's CPU settings as
+bench/throughput.py sets them).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -39,6 +43,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving  # noqa: E402  (bench/serving.py: the server launcher)
+from throughput import vllm_env  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+PEER_PORT = 8300
 
 
 def conversations(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], int]]]:
@@ -117,13 +125,29 @@ async def run_chats(base_url: str, model: str, chats: list[list[tuple[list[int],
     }
 
 
+def peer_launch(model: str, args: argparse.Namespace, log_dir: Path) -> serving.ServerLaunch:
+    """Ray Serve LLM over vLLM, in the peer environment."""
+    argv = [args.vllm_python, str(BENCH / "peer_serve_llm.py"), "--model", model, "--port", str(PEER_PORT),
+            "--replicas", str(args.replicas), "--max-num-seqs", str(args.max_num_seqs)]
+    # Like each rayvllm replica's engine (worker.cpu_threads): as many unpinned
+    # OpenMP threads as the node has cores (pinned, vLLM's two engines would
+    # bind the same cores).
+    threads = str(os.cpu_count() or 1)
+    env = {**os.environ, **vllm_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads})}
+    return serving.ServerLaunch(name="peer", argv=argv, env=env, cwd=str(log_dir), port=PEER_PORT,
+                                stop_signal=signal.SIGTERM, ray_stop=False)
+
+
 def run_router(router: str, model: str, chats: list[list[tuple[list[int], int]]], args: argparse.Namespace,
                log_dir: Path, index: int) -> dict[str, Any]:
-    launch_args = argparse.Namespace(
-        max_num_seqs=args.max_num_seqs, rayvllm_ingress="direct",
-        rayvllm_arg=[f"num_replicas={args.replicas}", f"request_router={router}"],
-    )
-    launch = serving.rayvllm_launch(model, launch_args)
+    if router == "peer":
+        launch = peer_launch(model, args, log_dir)
+    else:
+        launch_args = argparse.Namespace(
+            max_num_seqs=args.max_num_seqs, rayvllm_ingress="direct",
+            rayvllm_arg=[f"num_replicas={args.replicas}", f"request_router={router}"],
+        )
+        launch = serving.rayvllm_launch(model, launch_args)
     server = serving.ServerProcess(launch, log_dir / f"{index}-{router}.log")
     print(f"[{router}] starting: {' '.join(launch.argv)}", flush=True)
     try:
@@ -144,7 +168,10 @@ def run_router(router: str, model: str, chats: list[list[tuple[list[int], int]]]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--routers", default="kv,pow2,pow2,kv", help="request_router values to run, in order")
+    p.add_argument("--routers", default="kv,pow2,peer,peer,pow2,kv",
+                   help="request_router values to run, in order; 'peer': Ray Serve LLM over vLLM")
+    p.add_argument("--vllm-python", default=str(BENCH.parent / ".venv-vllm" / "bin" / "python"),
+                   help="the peer environment's python (bench/setup_peers.sh)")
     p.add_argument("--model", default=None, help="model dir (default: llama25m preset)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--sessions", type=int, default=24)

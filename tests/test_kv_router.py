@@ -13,7 +13,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -239,7 +239,7 @@ def test_the_ingress_answers_errors_as_one_server_would(
 
 
 def _kill(class_name: str) -> None:
-    for actor in list_actors(filters=[("state", "=", "ALIVE")]):
+    for actor in list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")]):
         if actor.class_name == class_name:
             os.kill(actor.pid, signal.SIGKILL)
 
@@ -283,7 +283,8 @@ def _health(url: str) -> int:
 def _kill_the_busy_server() -> int:
     """SIGKILL the one server replica running requests now; their number."""
     busy = []
-    for actor in list_actors(filters=[("class_name", "=", "ServeReplica:kvr:LLMServer"), ("state", "=", "ALIVE")]):
+    alive = [("class_name", "=", "ServeReplica:kvr:LLMServer"), ("state", "=", "ALIVE")]
+    for actor in list_actors(address=ray.get_runtime_context().gcs_address, filters=alive):
         report = ray.get(ray.get_actor(actor.name, namespace="serve").record_routing_stats.remote())
         running = decode_report(report)[0].num_running
         if running:
@@ -293,24 +294,33 @@ def _kill_the_busy_server() -> int:
     return busy[0][1]
 
 
-def _streams_cut_by_a_kill(url: str, bodies: list[dict]) -> tuple[int, list[list[bytes]]]:
-    """Each body streamed through the router (one session, so one server),
-    the server killed once every stream has its first event: how many
-    requests it was running, and each stream's events as its client read them."""
-    barrier = threading.Barrier(len(bodies) + 1)
-    headers = {**AUTH, "x-session-id": "moving"}
+Reader = Callable[[threading.Barrier], list[Any]]
 
-    def read(body: dict) -> list[bytes]:
+
+def _http_reader(url: str, body: dict) -> Reader:
+    """A streamed completion through the router (session "moving"): its
+    events as the client reads them, waiting at the barrier after the first."""
+
+    def read(barrier: threading.Barrier) -> list[Any]:
+        headers = {**AUTH, "x-session-id": "moving"}
         with requests.post(f"{url}/v1/completions", json=body, headers=headers, stream=True, timeout=120) as r:
             assert r.status_code == 200
             lines = (line for line in r.iter_lines() if line.startswith(b"data: "))
-            events = [next(lines)]
+            events: list[Any] = [next(lines)]
             barrier.wait(timeout=60)
             events.extend(lines)
         return events
 
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        reads = [pool.submit(read, body) for body in bodies]
+    return read
+
+
+def _streams_cut_by_a_kill(readers: list[Reader]) -> tuple[int, list[list[Any]]]:
+    """The readers' streams (one session, so one server), that server
+    killed once each has its first part: how many requests it was running,
+    and what each reader read."""
+    barrier = threading.Barrier(len(readers) + 1)
+    with ThreadPoolExecutor(len(readers)) as pool:
+        reads = [pool.submit(read, barrier) for read in readers]
         barrier.wait(timeout=60)
         running = _kill_the_busy_server()
         return running, [f.result() for f in reads]
@@ -323,25 +333,41 @@ LONG = {"prompt": "Once upon a time in a land far away", "max_tokens": 1000, "ig
 def test_a_stream_whose_server_dies_moves_to_another_unbroken(
     two_replicas: tuple[serve.handle.DeploymentHandle, str],
 ) -> None:
-    """A greedy and a seeded stream on one server, killed (SIGKILL) mid-way:
-    each moves to the other server and the client reads one unbroken
-    stream, one id, its text and usage equal to an undisturbed run's."""
-    _, url = two_replicas
+    """A greedy and a seeded HTTP stream and a greedy handle stream on one
+    server, killed (SIGKILL) mid-way: each moves to the other server and its
+    client reads one unbroken stream, one id, its text, tokens and usage
+    equal to an undisturbed run's."""
+    handle, url = two_replicas
     bodies = [{**LONG, "temperature": 0}, {**LONG, "temperature": 0.9, "seed": 5}]
     expected = [requests.post(f"{url}/v1/completions", json=b, headers=AUTH, timeout=120).json() for b in bodies]
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(20, 40))}
+    whole = handle.generate.remote(prompt, params).result()
+
+    def read_handle(barrier: threading.Barrier) -> list[Any]:
+        parts = iter(handle.options(stream=True).generate_stream.remote(prompt, params, session_id="moving"))
+        outs = [next(parts)]
+        barrier.wait(timeout=60)
+        outs.extend(parts)
+        return outs
+
     streamed = [{**b, "stream": True, "stream_options": {"include_usage": True}} for b in bodies]
-    running, streams = _streams_cut_by_a_kill(url, streamed)
-    assert running == 2
-    for events, whole in zip(streams, expected):
+    running, reads = _streams_cut_by_a_kill([*(_http_reader(url, b) for b in streamed), read_handle])
+    assert running == 3
+    for events, undisturbed in zip(reads, expected):
         assert events[-1] == b"data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         assert all("error" not in c for c in chunks), chunks[-3:]
-        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == whole["choices"][0]["text"]
+        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == undisturbed["choices"][0]["text"]
         assert len({c["id"] for c in chunks}) == 1
         usage = chunks[-1]["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
-            whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"]
+            undisturbed["usage"]["prompt_tokens"], undisturbed["usage"]["completion_tokens"]
         )
+    outs = reads[-1]
+    assert [t for o in outs for t in o.outputs[0].token_ids] == whole.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in outs) == whole.outputs[0].text
+    assert outs[-1].finished
 
 
 def test_a_stream_that_cannot_move_ends_with_an_error_event(
@@ -351,7 +377,7 @@ def test_a_stream_that_cannot_move_ends_with_an_error_event(
     server killed under it, the client gets the in-band error event a
     failing engine sends, then [DONE], not a cut connection."""
     _, url = two_replicas
-    _, (events,) = _streams_cut_by_a_kill(url, [{**LONG, "n": 2, "temperature": 0, "stream": True}])
+    _, (events,) = _streams_cut_by_a_kill([_http_reader(url, {**LONG, "n": 2, "temperature": 0, "stream": True})])
     assert json.loads(events[0][6:])["choices"]
     assert events[-1] == b"data: [DONE]"
     error = json.loads(events[-2][6:])["error"]

@@ -236,15 +236,16 @@ class AsyncLLM:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
+        resume: ResumePoint | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (DELTA by default; FINAL_ONLY yields
         the finished output alone) until it finishes: `add_request`, then
         its stream. Leaving the generator early (`aclose`, cancellation, a
         dropped client) aborts the request, which frees its KV blocks at
-        the next step."""
+        the next step. `resume` as for `add_request`."""
         stream = self.add_request(
             prompt, params, request_id, add_special_tokens=add_special_tokens, priority=priority,
-            output_kind=output_kind, lora_request=lora_request,
+            output_kind=output_kind, lora_request=lora_request, resume=resume,
         )
         try:
             async for out in stream:

@@ -43,6 +43,7 @@ from rayvllm.messages.errors import ModelNotFoundError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
 
 app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
@@ -246,12 +247,15 @@ class LLMServerImpl:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
         session_id: str | None = None,
+        resume: ResumePoint | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """DELTA `RequestOutput`s as tokens arrive; call through
-        `handle.options(stream=True)`; the adapter and session as in `generate`."""
+        `handle.options(stream=True)`; the adapter and session as in
+        `generate`. `resume`: continue, after what its caller has, a stream
+        (n=1) that a replica now dead began (the router ingress sends it)."""
         async for out in self.engine.generate(
             prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex,
-            lora_request=lora_request or await self._multiplexed_adapter(),
+            lora_request=lora_request or await self._multiplexed_adapter(), resume=resume,
         ):
             yield out
 

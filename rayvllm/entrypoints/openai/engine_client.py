@@ -84,6 +84,7 @@ class EngineClient(Protocol):
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
+        resume: ResumePoint | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """`add_request`'s outputs as an async generator; leaving it early aborts."""
         ...

@@ -40,6 +40,7 @@ from rayvllm.entrypoints.openai.stream_resume import StreamResume
 from rayvllm.entrypoints.openai.streams import SSE_DONE, sse_error
 from rayvllm.messages.errors import EngineDeadError
 from rayvllm.messages.outputs import RequestOutput
+from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -157,8 +158,29 @@ class OpenAIRouter:
         """`LLMServer.generate`, its arguments as they are, on the replica the router picks."""
         return await self._handle(serve.get_multiplexed_model_id()).generate.remote(*args, **kwargs)
 
-    async def generate_stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """`LLMServer.generate_stream`, its arguments as they are, on the replica the router picks."""
+    async def generate_stream(
+        self, prompt: Any, sampling_params: SamplingParams | dict[str, Any] | None = None, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """`LLMServer.generate_stream` on the replica the router picks; a
+        stream of one sequence whose replica dies moves to another, from
+        the tokens and text already yielded (as HTTP streams do)."""
         handle = self._handle(serve.get_multiplexed_model_id()).options(stream=True)
-        async for out in handle.generate_stream.remote(*args, **kwargs):
-            yield out
+        n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else getattr(sampling_params, "n", 1)
+        resume = StreamResume("", 0) if n == 1 else None
+        moves = 0
+        while True:
+            point = resume.point() if resume is not None and moves else None
+            try:
+                async for out in handle.generate_stream.remote(prompt, sampling_params, resume=point, **kwargs):
+                    if resume is not None:
+                        (seq,) = out.outputs
+                        text_chars = resume.text_chars + len(seq.text)
+                        resume.advance(tuple(seq.token_ids), text_chars, 0, seq.finish_reason is not None)
+                    yield out
+                return
+            except (RayActorError, ActorUnavailableError) as e:
+                if resume is None or resume.finished or moves >= self.stream_migration_limit:
+                    raise
+                moves += 1
+                logger.warning("a handle stream's server died (%s); it moves to another (%d of %d)", e, moves,
+                               self.stream_migration_limit)
