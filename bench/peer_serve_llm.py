@@ -60,9 +60,10 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    # Logical CPUs for every bundle and the ingress: each engine is told its
-    # threads by the environment (OMP_NUM_THREADS), not by its reservation.
-    ray.init(address="local", include_dashboard=False, num_cpus=args.replicas + 1)
+    # Logical CPUs for every replica (its actor and its bundle take one each)
+    # and the ingress: each engine is told its threads by the environment
+    # (OMP_NUM_THREADS), not by its reservation.
+    ray.init(address="local", include_dashboard=False, num_cpus=2 * args.replicas + 1)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build(args), name="peer", route_prefix="/")

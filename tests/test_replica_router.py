@@ -4,7 +4,7 @@ the ranking by queued work plus uncached prompt, with session affinity."""
 
 from __future__ import annotations
 
-from rayvllm.core.replica_router import ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, rank_replicas
+from rayvllm.core.replica_router import RecentRoutes, ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, rank_replicas
 from rayvllm.messages.block_hash import hash_request_tokens, routing_key
 
 POLICY = RoutingPolicy(block_size=4, max_kv_usage=0.9, session_slack_tokens=32)
@@ -73,3 +73,23 @@ def test_a_session_stays_on_its_replica_within_the_slack() -> None:
     assert rank_replicas(["a", "b"], 40, {"b": 9}, loads, POLICY, session_replica="a")[0] == ["b"]
     # A session whose replica is gone (not among the candidates) routes as any request.
     assert rank_replicas(["b"], 40, {}, {}, POLICY, session_replica="a") == [["b"]]
+
+
+def test_a_routes_blocks_outlive_reports_until_one_taken_after_it_ended() -> None:
+    """A report that predates a request's prefill (or its end) does not
+    drop the request's blocks; the first report taken after its end (past
+    the clock skew) does, as does age for a request whose end never comes."""
+    recent = RecentRoutes(clock_skew_s=1.0, max_age_s=300.0)
+    a, b = [b"a" * 8], [b"b" * 8]
+    recent.add("r1", "req-a", a, now=0.0)
+    recent.add("r1", "req-b", b, now=1.0)
+    recent.add("r2", "req-c", a, now=1.0)
+    assert recent.after_report("r1", taken_at=50.0, now=2.0) == [a, b]  # both still running
+    recent.ended("req-a", at=100.0)
+    recent.ended("unknown", at=100.0)
+    assert recent.after_report("r1", taken_at=100.5, now=3.0) == [a, b]  # within the skew of its end
+    assert recent.after_report("r1", taken_at=101.5, now=4.0) == [b]
+    assert recent.after_report("r1", taken_at=500.0, now=400.0) == []  # req-b never ended: too old
+    assert len(recent) == 1  # req-c, on r2
+    recent.forget("r2")
+    assert len(recent) == 0 and recent.after_report("r2", taken_at=0.0, now=0.0) == []

@@ -17,6 +17,9 @@ index from the replicas' reports and asks `rank_replicas`.
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,14 +41,21 @@ class ReplicaLoad:
 
 def encode_report(load: ReplicaLoad, keys: Iterable[bytes]) -> dict[str, Any]:
     """A replica's report as Serve carries it (its `record_routing_stats`):
-    plain values, the keys packed into one bytes string."""
+    plain values, the keys packed into one bytes string, and when it was
+    taken (wall clock: a router on another node compares it with its own)."""
     return {
         "num_running": load.num_running,
         "num_waiting": load.num_waiting,
         "num_queued_tokens": load.num_queued_tokens,
         "kv_usage": load.kv_usage,
         "block_keys": b"".join(keys),
+        "taken_at": time.time(),
     }
+
+
+def report_taken_at(report: dict[str, Any]) -> float:
+    """When the replica took `report` (0 for a report that does not say)."""
+    return float(report.get("taken_at", 0.0))
 
 
 def decode_report(report: dict[str, Any]) -> tuple[ReplicaLoad, list[bytes]]:
@@ -121,6 +131,57 @@ class ReplicaPrefixIndex:
             holders.discard(replica)
             if not holders:
                 del self._holders[key]
+
+
+class RecentRoutes:
+    """The blocks of requests a router sent to each replica that the
+    replica's reports may not show yet.
+
+    A report can predate a request's prefill and reach the router seconds
+    later on a busy node; replacing the replica's keys with it would lose a
+    prefix that a follow-up is about to need. So each route's keys are
+    re-added over every report until one taken more than `clock_skew_s`
+    after the request ended (the clocks of two nodes may differ by so
+    much): that report shows the blocks, or their eviction. A route whose
+    end the router never learns goes after `max_age_s`.
+    """
+
+    def __init__(self, clock_skew_s: float, max_age_s: float) -> None:
+        self.clock_skew_s = clock_skew_s
+        self.max_age_s = max_age_s
+        # replica -> (routed at, request id, keys), oldest first
+        self._routes: dict[str, deque[tuple[float, str, list[bytes]]]] = {}
+        self._ended_at: dict[str, float] = {}  # request id -> wall clock; inf while it runs
+
+    def add(self, replica: str, request: str, keys: list[bytes], now: float) -> None:
+        self._routes.setdefault(replica, deque()).append((now, request, keys))
+        self._ended_at[request] = math.inf
+
+    def ended(self, request: str, at: float) -> None:
+        """Request `request` ended at wall-clock time `at` (unknown ids are ignored)."""
+        if request in self._ended_at:
+            self._ended_at[request] = at
+
+    def after_report(self, replica: str, taken_at: float, now: float) -> list[list[bytes]]:
+        """The keys to add back to what a report of `replica` taken at
+        `taken_at` says it holds; routes that report covers are dropped."""
+        routes = self._routes.get(replica)
+        if not routes:
+            return []
+        self._routes[replica] = kept = deque()
+        for routed_at, request, keys in routes:
+            if routed_at < now - self.max_age_s or taken_at > self._ended_at[request] + self.clock_skew_s:
+                del self._ended_at[request]
+                continue
+            kept.append((routed_at, request, keys))
+        return [keys for _, _, keys in kept]
+
+    def forget(self, replica: str) -> None:
+        for _, request, _ in self._routes.pop(replica, ()):
+            del self._ended_at[request]
+
+    def __len__(self) -> int:
+        return len(self._ended_at)
 
 
 @dataclass(frozen=True, slots=True)

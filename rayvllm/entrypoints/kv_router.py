@@ -8,10 +8,12 @@ router hashes a request's prompt tokens as the engines do, asks the index
 which replica holds the longest prefix, and ranks the replicas by queued
 work plus uncached prompt (`rank_replicas`). A request it sends somewhere
 counts there at once: its blocks, so a follow-up routed before the next
-report finds them, and its uncached prompt as queued work until it ends or
-the replica's next report covers it, so a burst spreads before the reports
-catch up. A report replaces what the replica held (its evictions
-included), and a replica that left is forgotten. Routing never waits for a report: a
+report finds them (they are kept over reports until one taken after the
+request ended, which shows them or their eviction), and its uncached
+prompt as queued work until it ends or the replica's next report covers
+it, so a burst spreads before the reports catch up. A report replaces what
+the replica held (its evictions included), and a replica that left is
+forgotten. Routing never waits for a report: a
 replica without one counts as idle and empty.
 
 The router reads a request's prompt and session from the call's
@@ -24,7 +26,7 @@ entrypoints/openai/routing_hints.py).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,14 +38,23 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from rayvllm.core.replica_router import ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, decode_report, rank_replicas
+from rayvllm.core.replica_router import (
+    RecentRoutes,
+    ReplicaLoad,
+    ReplicaPrefixIndex,
+    RoutingPolicy,
+    decode_report,
+    rank_replicas,
+    report_taken_at,
+)
 from rayvllm.messages.block_hash import prefix_routing_keys
 
 # Sessions remembered (least recently used go first).
 MAX_SESSIONS = 65536
-# How long a routed request's blocks are re-added after a report replaces
-# its replica's keys (the report may predate the request's prefill).
-RECENT_ROUTES_S = 10.0
+# RecentRoutes: how far two nodes' clocks may differ, and how long the
+# blocks of a request whose end the router never learns are kept.
+REPORT_CLOCK_SKEW_S = 1.0
+RECENT_ROUTE_MAX_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._index = ReplicaPrefixIndex()
         self._loads: dict[str, ReplicaLoad] = {}
         self._seen_reports: dict[str, int] = {}  # replica -> id() of the report absorbed last
-        self._recent: dict[str, deque[tuple[float, list[bytes]]]] = {}
+        self._recent = RecentRoutes(REPORT_CLOCK_SKEW_S, RECENT_ROUTE_MAX_S)
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._routing: dict[str, _Routing] = {}  # internal request id -> what routing it saw
         # Per replica, the requests and uncached prompt tokens sent there
@@ -131,7 +142,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._tally(replica, 1, uncached)
         if keys:
             self._index.add(replica, keys)
-            self._recent.setdefault(replica, deque()).append((time.monotonic(), keys))
+            self._recent.add(replica, pending_request.metadata.internal_request_id, keys, time.monotonic())
         if session is not None:
             self._sessions[session] = replica
             self._sessions.move_to_end(session)
@@ -142,6 +153,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         entry = self._inflight.pop(internal_request_id, None)
         if entry is not None:
             self._tally(entry[0], -1, -entry[1])
+        self._recent.ended(internal_request_id, time.time())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -160,13 +172,8 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._loads[rid] = load
         self._drop_unreported(rid)
         self._index.replace(rid, keys)
-        recent = self._recent.get(rid)
-        if recent:
-            cutoff = time.monotonic() - RECENT_ROUTES_S
-            while recent and recent[0][0] < cutoff:
-                recent.popleft()
-            for _, routed in recent:
-                self._index.add(rid, routed)
+        for routed in self._recent.after_report(rid, report_taken_at(report), time.monotonic()):
+            self._index.add(rid, routed)
 
     def _current_loads(self, replicas: list[str]) -> dict[str, ReplicaLoad]:
         """Each replica's last report plus what was sent to it since."""
@@ -194,7 +201,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._loads.pop(replica, None)
         self._drop_unreported(replica)
         self._seen_reports.pop(replica, None)
-        self._recent.pop(replica, None)
+        self._recent.forget(replica)
         for session in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[session]
 
