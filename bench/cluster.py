@@ -12,8 +12,8 @@ system prompts, `--turns` turns each; every turn's prompt is the whole
 conversation so far (system prompt, earlier user turns and replies) plus a
 new user turn, sent when the chat's previous turn has finished, so the
 chats arrive interleaved. Requests carry the chat's `x-session-id`.
-Prompts are token ids, the replies fixed per turn (not the model's), so
-both routers see the same prompts.
+Prompts are text (`--prompts tokens`: token ids), the replies fixed per
+turn (not the model's), so every router sees the same prompts.
 
 Reported per router: the prefix-cache hit rate (the servers' own
 `usage.prompt_tokens_details.cached_tokens` over prompt tokens), TTFT p50
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -49,28 +50,44 @@ BENCH = Path(__file__).resolve().parent
 PEER_PORT = 8300
 
 
-def conversations(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], int]]]:
-    """Per session, per turn: the prompt and its token count, fixed by `--seed`."""
+Prompt = list[int] | str
+Chat = list[tuple[Prompt, int]]
+
+
+def conversations(args: argparse.Namespace, vocab: int, decode: Callable[[list[int]], str] | None) -> list[Chat]:
+    """Per session, per turn: the prompt and its token count, fixed by
+    `--seed`. With `decode`, prompts are text: each segment (system prompt,
+    turn, reply) decoded on its own, so a turn's text begins with the whole
+    text of the turn before."""
     rng = random.Random(args.seed)
 
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(5, vocab) for _ in range(n)]
+    def segment(n: int) -> Prompt:
+        ids = [rng.randrange(5, vocab) for _ in range(n)]
+        return decode(ids) if decode is not None else ids
 
-    systems = [tokens(args.system_len) for _ in range(args.system_prompts)]
+    def joined(parts: list[Prompt]) -> Prompt:
+        if decode is not None:
+            return "".join(str(p) for p in parts)
+        return [t for p in parts for t in p]  # type: ignore[union-attr]
+
+    systems = [segment(args.system_len) for _ in range(args.system_prompts)]
     chats = []
     for s in range(args.sessions):
-        history = list(systems[s % len(systems)])
-        turns = []
+        history = [systems[s % len(systems)]]
+        tokens = args.system_len
+        turns: Chat = []
         for _ in range(args.turns):
-            history += tokens(args.user_len)
-            turns.append((list(history), len(history)))
-            history += tokens(args.output_len)  # the reply the next turn carries
+            history.append(segment(args.user_len))
+            tokens += args.user_len
+            turns.append((joined(history), tokens))
+            history.append(segment(args.output_len))  # the reply the next turn carries
+            tokens += args.output_len
         chats.append(turns)
     return chats
 
 
 async def chat(
-    http: aiohttp.ClientSession, url: str, model: str, session: int, turns: list[tuple[list[int], int]],
+    http: aiohttp.ClientSession, url: str, model: str, session: int, turns: Chat,
     output_len: int, t0: float,
 ) -> list[dict[str, Any]]:
     out = []
@@ -101,7 +118,7 @@ async def chat(
     return out
 
 
-async def run_chats(base_url: str, model: str, chats: list[list[tuple[list[int], int]]], args: argparse.Namespace
+async def run_chats(base_url: str, model: str, chats: list[Chat], args: argparse.Namespace
                     ) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -135,10 +152,10 @@ def peer_launch(model: str, args: argparse.Namespace, log_dir: Path) -> serving.
     threads = str(os.cpu_count() or 1)
     env = {**os.environ, **vllm_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads})}
     return serving.ServerLaunch(name="peer", argv=argv, env=env, cwd=str(log_dir), port=PEER_PORT,
-                                stop_signal=signal.SIGTERM, ray_stop=False)
+                                stop_signal=signal.SIGTERM, ray_stop=False, health_path="/-/healthz")
 
 
-def run_router(router: str, model: str, chats: list[list[tuple[list[int], int]]], args: argparse.Namespace,
+def run_router(router: str, model: str, chats: list[Chat], args: argparse.Namespace,
                log_dir: Path, index: int) -> dict[str, Any]:
     if router == "peer":
         launch = peer_launch(model, args, log_dir)
@@ -155,7 +172,7 @@ def run_router(router: str, model: str, chats: list[list[tuple[list[int], int]]]
         startup_s, served = server.wait_ready(args.startup_timeout)
         print(f"[{router}] ready after {startup_s:.1f} s", flush=True)
         # One request per replica's worth of warm-up, on prompts no chat shares.
-        warm = [[([7] * 32, 32)] for _ in range(args.replicas * 2)]
+        warm: list[Chat] = [[(f"warm-up {i} " * 16, 64)] for i in range(args.replicas * 2)]
         asyncio.run(run_chats(launch.base_url, served, warm, args))
         result = asyncio.run(run_chats(launch.base_url, served, chats, args))
     finally:
@@ -181,6 +198,8 @@ def main() -> None:
     p.add_argument("--user-len", type=int, default=32, help="tokens of each user turn")
     p.add_argument("--output-len", type=int, default=32, help="tokens of each reply")
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--prompts", choices=("text", "tokens"), default="text",
+                   help="text (Ray Serve LLM's PrefixCacheAffinityRouter matches text only) or token ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -188,7 +207,13 @@ def main() -> None:
     args = p.parse_args()
     model = serving.resolve_model(args.model)
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
-    chats = conversations(args, vocab)
+    decode = None
+    if args.prompts == "text":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        decode = tokenizer.decode
+    chats = conversations(args, vocab, decode)
     log_dir = Path(tempfile.mkdtemp(prefix="rayvllm-cluster-"))
     print(f"{args.sessions} chats x {args.turns} turns, {args.system_prompts} system prompts of {args.system_len} "
           f"tokens, {args.replicas} replicas; logs in {log_dir}", flush=True)

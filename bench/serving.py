@@ -314,6 +314,8 @@ class ServerLaunch:
     stop_signal: int
     # Whether to run `ray stop --force` after the session sweep (rayvllm).
     ray_stop: bool
+    # What answers 200 once it is up (Ray Serve LLM has no /health; Serve's proxy has /-/healthz).
+    health_path: str = "/health"
 
     @property
     def base_url(self) -> str:
@@ -379,7 +381,7 @@ class ServerProcess:
                 raise RuntimeError(
                     f"{self.launch.name} exited with code {self.proc.returncode} during start-up: {last}"
                 )
-            status, _ = _http_get_json(base + "/health", timeout_s=2.0)
+            status, _ = _http_get_json(base + self.launch.health_path, timeout_s=2.0)
             if status == 200:
                 # /health may answer before the app (Serve) or the model list is up.
                 name = discover_model_name(base)
