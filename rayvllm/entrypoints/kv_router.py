@@ -51,6 +51,9 @@ from rayvllm.messages.block_hash import prefix_routing_keys
 
 # Sessions remembered (least recently used go first).
 MAX_SESSIONS = 65536
+# Requests whose routing waits for Serve's word on where they went; one
+# cancelled before it was routed never gets it, so the oldest go first.
+MAX_PENDING_ROUTINGS = 65536
 # RecentRoutes: how far two nodes' clocks may differ, and how long the
 # blocks of a request whose end the router never learns are kept.
 REPORT_CLOCK_SKEW_S = 1.0
@@ -85,7 +88,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._seen_reports: dict[str, int] = {}  # replica -> id() of the report absorbed last
         self._recent = RecentRoutes(REPORT_CLOCK_SKEW_S, RECENT_ROUTE_MAX_S)
         self._sessions: OrderedDict[str, str] = OrderedDict()
-        self._routing: dict[str, _Routing] = {}  # internal request id -> what routing it saw
+        self._routing: OrderedDict[str, _Routing] = OrderedDict()  # internal request id -> what routing it saw
         # Per replica, the requests and uncached prompt tokens sent there
         # since its last report and not yet ended (`_inflight`: request id ->
         # replica, tokens): a burst spreads before the reports catch up.
@@ -117,6 +120,8 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         hits = self._index.prefix_hits(keys, ids) if keys else {}
         if pending_request is not None:
             self._routing[pending_request.metadata.internal_request_id] = _Routing(keys, session, num_tokens, hits)
+            while len(self._routing) > MAX_PENDING_ROUTINGS:
+                self._routing.popitem(last=False)
         sticky = self._sessions.get(session) if session is not None else None
         ranks = rank_replicas(ids, num_tokens, hits, self._current_loads(ids), self._policy, sticky)
         if ranks and (hits.get(ranks[0][0], 0) > 0 or ranks[0][0] == sticky):
