@@ -339,10 +339,14 @@ def test_a_stream_whose_server_dies_moves_to_another_unbroken(
     equal to an undisturbed run's."""
     handle, url = two_replicas
     bodies = [{**LONG, "temperature": 0}, {**LONG, "temperature": 0.9, "seed": 5}]
-    expected = [requests.post(f"{url}/v1/completions", json=b, headers=AUTH, timeout=120).json() for b in bodies]
     params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(20, 40))}
-    whole = handle.generate.remote(prompt, params).result()
+    undisturbed = handle.generate.remote(prompt, params)  # the three at once: one batch's time
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        expected = list(pool.map(
+            lambda b: requests.post(f"{url}/v1/completions", json=b, headers=AUTH, timeout=120).json(), bodies
+        ))
+    whole = undisturbed.result()
 
     def read_handle(barrier: threading.Barrier) -> list[Any]:
         parts = iter(handle.options(stream=True).generate_stream.remote(prompt, params, session_id="moving"))
