@@ -1,0 +1,96 @@
+"""Ray Data rows <-> engine requests and outputs, with Ray Data LLM's
+column names. Ray-free.
+
+A row asks with `prompt` (text), `messages` (a chat) or `prompt_token_ids`,
+and `sampling_params` (generate) or `pooling_params` (embed), a dict per
+row. Rows of one Arrow batch share one struct type for those dicts, so a
+key another row set reads None here: None means "the default".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput
+from rayvllm.messages.pooling_params import PoolingParams
+from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
+
+# What a replica needs of a row; the other columns stay with the feeder.
+REQUEST_COLUMNS = ("prompt", "messages", "prompt_token_ids", "sampling_params", "pooling_params")
+GENERATE_COLUMNS = (
+    "prompt", "prompt_token_ids", "num_input_tokens", "generated_text", "generated_tokens",
+    "num_generated_tokens", "finish_reason",
+)
+EMBED_COLUMNS = ("prompt", "prompt_token_ids", "num_input_tokens", "embeddings")
+
+
+@dataclass(frozen=True)
+class RowStages:
+    """Which of Ray Data LLM's stages run for a row (EngineProcessorConfig)."""
+
+    apply_chat_template: bool = True
+    chat_template: str | None = None
+    tokenize: bool = True
+    detokenize: bool = True
+
+
+def request_fields(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of `row` a replica reads (unset fields left out)."""
+    return {k: row[k] for k in REQUEST_COLUMNS if row.get(k) is not None}
+
+
+def _given(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (params or {}).items() if v is not None}
+
+
+def sampling_params(fields: Mapping[str, Any]) -> SamplingParams:
+    given = _given(fields.get("sampling_params"))
+    if isinstance(given.get("structured_outputs"), Mapping):
+        given["structured_outputs"] = StructuredOutputsParams(**_given(given["structured_outputs"]))
+    try:
+        return SamplingParams(**given)
+    except TypeError as e:  # an unknown key
+        raise ValueError(f"sampling_params: {e}") from e
+
+
+def pooling_params(fields: Mapping[str, Any]) -> PoolingParams:
+    try:
+        return PoolingParams(**_given(fields.get("pooling_params")))
+    except TypeError as e:
+        raise ValueError(f"pooling_params: {e}") from e
+
+
+def empty_columns(embed: bool) -> dict[str, Any]:
+    """A failed row's output columns: the schema of a good row, empty."""
+    if embed:
+        return {"prompt": None, "prompt_token_ids": None, "num_input_tokens": 0, "embeddings": None}
+    return {
+        "prompt": None, "prompt_token_ids": None, "num_input_tokens": 0, "generated_text": "",
+        "generated_tokens": [], "num_generated_tokens": 0, "finish_reason": None,
+    }
+
+
+def generate_columns(out: RequestOutput, prompt: str | None, stages: RowStages) -> dict[str, Any]:
+    """A finished request's columns (its first sequence, as Ray Data LLM's)."""
+    seq = out.outputs[0]
+    return {
+        "prompt": prompt,
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "num_input_tokens": len(out.prompt_token_ids),
+        "generated_text": seq.text if stages.detokenize else "",
+        "generated_tokens": list(seq.token_ids),
+        "num_generated_tokens": len(seq.token_ids),
+        "finish_reason": seq.finish_reason,
+    }
+
+
+def embed_columns(out: PoolingRequestOutput, prompt: str | None) -> dict[str, Any]:
+    return {
+        "prompt": prompt,
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "num_input_tokens": len(out.prompt_token_ids),
+        "embeddings": out.outputs.data.float().tolist(),
+    }

@@ -1,0 +1,192 @@
+"""Batch inference over Ray Data (rayvllm.data): every input row comes out
+once, in order, with its columns kept; greedy and seeded rows equal the
+offline `LLM`'s tokens; an invalid row fails alone; a replica whose process
+is killed mid-job (SIGKILL, by pid, once it has admitted a known number of
+rows) leaves a complete and exact output; `embed` equals `LLM.embed`; a
+replica runs a TP=2 engine on Ray. One shared Ray cluster (`ray_local`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray.data import DataContext
+
+from rayvllm import LLM, PoolingParams, SamplingParams
+from rayvllm.data import ERROR_COLUMN, EngineProcessorConfig, build_processor
+from rayvllm.data.replica import REPLICA_NAME_PREFIX
+
+ENGINE: dict[str, Any] = dict(dtype="float32", max_model_len=256, max_num_seqs=8)
+CHAT = [{"role": "user", "content": "Say something."}]
+
+
+def _rows() -> list[dict[str, Any]]:
+    """Token-id prompts (greedy, and one seeded sample), text prompts and a chat."""
+    rng = random.Random(3)
+    rows: list[dict[str, Any]] = []
+    for i in range(14):
+        ids = [rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))]
+        rows.append({"id": i, "prompt_token_ids": ids, "sampling_params": {"temperature": 0.0, "max_tokens": 4 + i % 5}})
+    rows[6]["sampling_params"] = {"temperature": 1.0, "seed": 7, "max_tokens": 6}
+    rows.append({"id": 14, "prompt": "Hello, my name is", "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
+    rows.append({"id": 15, "messages": CHAT, "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
+    return rows
+
+
+def _offline_request(row: dict[str, Any]) -> tuple[Any, SamplingParams]:
+    params = SamplingParams(**row["sampling_params"])
+    return row.get("prompt") or {"prompt_token_ids": row["prompt_token_ids"]}, params
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path) -> dict[int, list[int]]:
+    """Each row's tokens from the offline engine, by id."""
+    rows = _rows()
+    llm = LLM(str(tiny_model_dir), **ENGINE)
+    try:
+        plain = [r for r in rows if "messages" not in r]
+        requests = [_offline_request(r) for r in plain]
+        outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        [chat] = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tokens = {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(plain, outs)}
+    tokens[15] = list(chat.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def ordered() -> Iterator[None]:
+    """Ray Data keeps the input's order (for the order checks)."""
+    options = DataContext.get_current().execution_options
+    before, options.preserve_order = options.preserve_order, True
+    yield
+    options.preserve_order = before
+
+
+def _config(model_dir: Path, engine: dict[str, Any] | None = None, **fields: Any) -> EngineProcessorConfig:
+    return EngineProcessorConfig(
+        model_source=str(model_dir), engine_kwargs={**ENGINE, **(engine or {})}, batch_size=4, **fields
+    )
+
+
+@pytest.fixture(scope="module")
+def generated(ray_local: None, ordered: None, tiny_model_dir: Path) -> list[dict[str, Any]]:
+    """The rows, plus one invalid one (id 99), through two replicas that go on after errors."""
+    rows = _rows()
+    rows.insert(5, {"id": 99, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 0}})
+    processor = build_processor(_config(tiny_model_dir, concurrency=2, should_continue_on_error=True))
+    return processor(ray.data.from_items(rows)).take_all()
+
+
+def test_every_row_once_in_order_with_its_columns(generated: list[dict[str, Any]]) -> None:
+    want = _rows()
+    want.insert(5, {"id": 99})
+    assert [r["id"] for r in generated] == [r["id"] for r in want]
+    for row, given in zip(generated, want):
+        for key, value in given.items():
+            # The input's columns come back as they went in (Arrow gives a
+            # dict column every key any row's dict has, None where unset).
+            got = row[key]
+            if isinstance(value, dict):
+                got = {k: v for k, v in got.items() if v is not None}
+            assert got == value, key
+
+
+def test_greedy_and_seeded_rows_equal_the_offline_engine(
+    generated: list[dict[str, Any]], expected: dict[int, list[int]], tiny_tokenizer: Any
+) -> None:
+    for row in generated:
+        if row["id"] == 99:
+            continue
+        assert row[ERROR_COLUMN] == ""
+        assert row["generated_tokens"] == expected[row["id"]], row["id"]
+        assert row["num_generated_tokens"] == len(expected[row["id"]])
+        assert row["num_input_tokens"] == len(row["prompt_token_ids"])
+        assert row["finish_reason"] == "length"
+        assert row["generated_text"] == tiny_tokenizer.decode(row["generated_tokens"], skip_special_tokens=True)
+    chat = next(r for r in generated if r["id"] == 15)
+    assert chat["prompt"].startswith("<|im_start|>user")  # the chat template's text
+
+
+def test_an_invalid_row_fails_alone(generated: list[dict[str, Any]]) -> None:
+    [bad] = [r for r in generated if r[ERROR_COLUMN]]
+    assert bad["id"] == 99 and "max_tokens" in bad[ERROR_COLUMN]
+    assert bad["generated_tokens"] == [] and bad["prompt_token_ids"] == [5, 6]
+
+
+def test_a_killed_replica_loses_no_row(
+    ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]]
+) -> None:
+    """SIGKILL the replica's process once it has admitted 8 of the 16 rows
+    (at most 4 at a time: some have finished, and at least 8 never reached
+    the killed engine): Ray restarts it, the feeder resubmits the
+    unfinished rows, and the output is complete and exactly the
+    undisturbed run's."""
+    rows = _rows()
+    config = _config(tiny_model_dir, concurrency=1, max_pending_requests=4)
+    result: list[dict[str, Any]] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.extend(build_processor(config)(ray.data.from_items(rows)).take_all())
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            failure.append(e)
+
+    job = threading.Thread(target=run)
+    earlier = set(ray.util.list_named_actors())  # a finished job's replicas may still be listed
+    job.start()
+    replica = _the_replica(job, earlier)
+    killed = ray.get(replica.wait_started.remote(8), timeout=120)
+    os.kill(killed, signal.SIGKILL)
+    job.join(timeout=300)
+    assert not job.is_alive() and not failure, failure
+    assert [r["id"] for r in result] == [r["id"] for r in rows]
+    assert {r["id"]: r["generated_tokens"] for r in result} == expected
+
+
+def _the_replica(job: threading.Thread, earlier: set[str]) -> Any:
+    """The one engine replica of the running job, once the job has named it."""
+    while job.is_alive():
+        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_NAME_PREFIX) and n not in earlier]
+        if names:
+            [name] = names
+            return ray.get_actor(name)
+        job.join(timeout=0.05)  # polls for the name; the kill itself waits on the replica's own event
+    raise AssertionError("the job ended before it made a replica")
+
+
+def test_embed_equals_llm_embed(ray_local: None, ordered: None, tiny_model_dir: Path) -> None:
+    rows = [r for r in _rows() if "prompt_token_ids" in r][:6]
+    for row in rows:
+        row["pooling_params"] = {"normalize": row["id"] % 2 == 0}
+    llm = LLM(str(tiny_model_dir), task="embed", **ENGINE)
+    try:
+        want = llm.embed([{"prompt_token_ids": r["prompt_token_ids"]} for r in rows],
+                         [PoolingParams(**r["pooling_params"]) for r in rows], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    processor = build_processor(_config(tiny_model_dir, task_type="embed"))
+    got = processor(ray.data.from_items(rows)).take_all()
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    for row, out in zip(got, want):
+        assert len(row["embeddings"]) == len(out.outputs.embedding)
+        assert max(abs(a - b) for a, b in zip(row["embeddings"], out.outputs.embedding)) < 1e-5
+        assert row["num_input_tokens"] == len(row["prompt_token_ids"])
+
+
+def test_a_tensor_parallel_replica(ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]]) -> None:
+    """A replica whose engine has TP=2 makes its own SchedulerActor and two
+    worker actors on Ray; greedy rows equal the single-process engine's."""
+    rows = [r for r in _rows() if r["sampling_params"].get("temperature") == 0.0][:4]
+    config = _config(tiny_model_dir, engine={"tensor_parallel_size": 2})
+    got = build_processor(config)(ray.data.from_items(rows)).take_all()
+    assert {r["id"]: r["generated_tokens"] for r in got} == {r["id"]: expected[r["id"]] for r in rows}
