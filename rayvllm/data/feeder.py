@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from rayvllm.data.config import ERROR_COLUMN, EngineProcessorConfig
-from rayvllm.data.replica import replica_options, start_replica
+from rayvllm.data.replica import ReplicaPlacement, start_replica
 from rayvllm.data.rows import EMBED_COLUMNS, GENERATE_COLUMNS, empty_columns, request_fields
 
 logger = logging.getLogger(__name__)
@@ -42,10 +42,18 @@ class ReplicaFeeder:
     def __init__(self, config: EngineProcessorConfig) -> None:
         self.config = config
         self.embed = config.task_type == "embed"
-        self._options = replica_options(config, config.engine_args())
-        self.replica = start_replica(config, self._options)
+        self.placement = ReplicaPlacement(config)
+        self.replica = start_replica(config, self.placement)
         ray.get(self.replica.pid.remote())  # built: Ray Data counts this feeder as started from here
         self._replacing = asyncio.Lock()
+
+    def __del__(self) -> None:
+        """Ray Data drops a feeder at the end of the job: its replica dies
+        with it (its owner), and the replica's engine actors with the
+        placement group released here."""
+        placement = getattr(self, "placement", None)
+        if placement is not None:
+            placement.release()
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -92,7 +100,7 @@ class ReplicaFeeder:
             try:
                 await dead.pid.remote()  # answered once Ray has restarted it
             except _REPLICA_LOST:
-                replica = start_replica(self.config, self._options)
+                replica = start_replica(self.config, self.placement)
                 await replica.pid.remote()
                 self.replica = replica
 
