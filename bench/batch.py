@@ -18,7 +18,7 @@ where it uses Ray):
         job includes starting the replicas (as a user's job does).
   llm   `rayvllm.LLM(...).generate(...)` on all rows at once, one engine,
         in-process; timed without the engine's load (given as a note).
-  peer  `ray.data.llm.build_llm_processor(vLLMEngineProcessorConfig(...))`
+  peer  `ray.data.llm.build_processor(vLLMEngineProcessorConfig(...))`
         over vLLM's CPU build in the peer virtualenv (`--vllm-python`, made
         by bench/setup_peers.sh; skipped when missing), the same replicas
         and batch size, one CPU bundle per replica, its tokenize and
@@ -131,7 +131,7 @@ def child_llm(model: str, rows: list[dict[str, Any]], args: argparse.Namespace) 
 def child_peer(model: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     import ray
     import vllm
-    from ray.data.llm import build_llm_processor, vLLMEngineProcessorConfig
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     ray.init(address="local", log_to_driver=False)
     try:
@@ -146,7 +146,7 @@ def child_peer(model: str, rows: list[dict[str, Any]], args: argparse.Namespace)
             placement_group_config={"bundles": [{"CPU": 1}]},
         )
         t0 = time.perf_counter()
-        out = build_llm_processor(config)(ray.data.from_items(rows)).materialize()
+        out = build_processor(config)(ray.data.from_items(rows)).materialize()
         result = _job_result(out, time.perf_counter() - t0)
     finally:
         ray.shutdown()
