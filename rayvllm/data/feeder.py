@@ -22,16 +22,13 @@ from typing import Any
 
 import pyarrow as pa
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import RayActorError
 
 from rayvllm.data.config import ERROR_COLUMN, EngineProcessorConfig
 from rayvllm.data.replica import ReplicaPlacement, start_replica
 from rayvllm.data.rows import EMBED_COLUMNS, GENERATE_COLUMNS, empty_columns, request_fields
 
 logger = logging.getLogger(__name__)
-
-# A call that fails with these never reached a live engine, or lost it.
-_REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 class RowError(RuntimeError):
@@ -82,7 +79,7 @@ class ReplicaFeeder:
                 async for ref in replica.process.remote(todo):
                     index, columns = await ref
                     results[index] = columns
-            except _REPLICA_LOST as e:
+            except RayActorError as e:  # the replica died, or is restarting
                 unfinished = sum(r is None for r in results)
                 logger.warning("a replica died with %d rows of a batch unfinished (try %d of %d): %r",
                                unfinished, attempt + 1, tries, e)
@@ -98,8 +95,11 @@ class ReplicaFeeder:
             if self.replica is not dead:
                 return
             try:
-                await dead.pid.remote()  # answered once Ray has restarted it
-            except _REPLICA_LOST:
+                # Retried while Ray restarts it (a restarting actor refuses
+                # calls); answered by the new process.
+                await dead.pid.options(max_task_retries=-1).remote()
+            except RayActorError:  # gone for good
+                logger.warning("a replica cannot be restarted; starting a new one")
                 replica = start_replica(self.config, self.placement)
                 await replica.pid.remote()
                 self.replica = replica
