@@ -145,8 +145,10 @@ def child_peer(model: str, rows: list[dict[str, Any]], args: argparse.Namespace)
             detokenize_stage=False,
             placement_group_config={"bundles": [{"CPU": 1}]},
         )
+        # Its engine stage reads token ids from the tokenize stage's column.
+        peer_rows = [{**r, "tokenized_prompt": r["prompt_token_ids"]} for r in rows]
         t0 = time.perf_counter()
-        out = build_processor(config)(ray.data.from_items(rows)).materialize()
+        out = build_processor(config)(ray.data.from_items(peer_rows)).materialize()
         result = _job_result(out, time.perf_counter() - t0)
     finally:
         ray.shutdown()

@@ -1,6 +1,6 @@
 """Batch inference over Ray Data (rayvllm.data): every input row comes out
-once, in order, with its columns kept; greedy and seeded rows equal the
-offline `LLM`'s tokens; an invalid row fails alone; a replica whose process
+once, in order, with its columns kept; greedy, seeded and structured
+(choice) rows equal the offline `LLM`'s tokens; an invalid row fails alone; a replica whose process
 is killed mid-job (SIGKILL, by pid, once it has admitted a known number of
 rows) leaves a complete and exact output; `embed` equals `LLM.embed`; a
 replica runs a TP=2 engine on Ray. One shared Ray cluster (`ray_local`)."""
@@ -20,15 +20,18 @@ import ray
 from ray.data import DataContext
 
 from rayvllm import LLM, PoolingParams, SamplingParams
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 from rayvllm.data import ERROR_COLUMN, EngineProcessorConfig, build_processor
 from rayvllm.data.replica import REPLICA_NAME_PREFIX
 
 ENGINE: dict[str, Any] = dict(dtype="float32", max_model_len=256, max_num_seqs=8)
 CHAT = [{"role": "user", "content": "Say something."}]
+CHOICES = ["yes", "no", "maybe later"]
 
 
 def _rows() -> list[dict[str, Any]]:
-    """Token-id prompts (greedy, and one seeded sample), text prompts and a chat."""
+    """Token-id prompts (greedy, and one seeded sample), text prompts, a
+    chat and a structured output (a choice)."""
     rng = random.Random(3)
     rows: list[dict[str, Any]] = []
     for i in range(14):
@@ -37,12 +40,16 @@ def _rows() -> list[dict[str, Any]]:
     rows[6]["sampling_params"] = {"temperature": 1.0, "seed": 7, "max_tokens": 6}
     rows.append({"id": 14, "prompt": "Hello, my name is", "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
     rows.append({"id": 15, "messages": CHAT, "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
+    rows.append({"id": 16, "prompt": "Answer:", "sampling_params": {"temperature": 0.0, "max_tokens": 16,
+                 "structured_outputs": {"choice": CHOICES}}})
     return rows
 
 
 def _offline_request(row: dict[str, Any]) -> tuple[Any, SamplingParams]:
-    params = SamplingParams(**row["sampling_params"])
-    return row.get("prompt") or {"prompt_token_ids": row["prompt_token_ids"]}, params
+    given = dict(row["sampling_params"])
+    if "structured_outputs" in given:
+        given["structured_outputs"] = StructuredOutputsParams(**given["structured_outputs"])
+    return row.get("prompt") or {"prompt_token_ids": row["prompt_token_ids"]}, SamplingParams(**given)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +117,11 @@ def test_greedy_and_seeded_rows_equal_the_offline_engine(
         assert row["generated_tokens"] == expected[row["id"]], row["id"]
         assert row["num_generated_tokens"] == len(expected[row["id"]])
         assert row["num_input_tokens"] == len(row["prompt_token_ids"])
-        assert row["finish_reason"] == "length"
         assert row["generated_text"] == tiny_tokenizer.decode(row["generated_tokens"], skip_special_tokens=True)
+        if row["id"] != 16:
+            assert row["finish_reason"] == "length"
+    choice = next(r for r in generated if r["id"] == 16)
+    assert choice["generated_text"] in CHOICES and choice["finish_reason"] == "stop"
     chat = next(r for r in generated if r["id"] == 15)
     assert chat["prompt"].startswith("<|im_start|>user")  # the chat template's text
 
@@ -125,7 +135,7 @@ def test_an_invalid_row_fails_alone(generated: list[dict[str, Any]]) -> None:
 def test_a_killed_replica_loses_no_row(
     ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]]
 ) -> None:
-    """SIGKILL the replica's process once it has admitted 8 of the 16 rows
+    """SIGKILL the replica's process once it has admitted 8 of the 17 rows
     (at most 4 at a time: some have finished, and at least 8 never reached
     the killed engine): Ray restarts it, the feeder resubmits the
     unfinished rows, and the output is complete and exactly the
