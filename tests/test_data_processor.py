@@ -200,3 +200,26 @@ def test_a_tensor_parallel_replica(ray_local: None, ordered: None, tiny_model_di
     config = _config(tiny_model_dir, engine={"tensor_parallel_size": 2})
     got = build_processor(config)(ray.data.from_items(rows)).take_all()
     assert {r["id"]: r["generated_tokens"] for r in got} == {r["id"]: expected[r["id"]] for r in rows}
+
+
+def test_config_maps_to_engine_args() -> None:
+    """Ray Data LLM's knobs become the engine's: the model, the pooling
+    runner for `embed`, the workers' placement; contradictions fail early."""
+    config = EngineProcessorConfig(
+        model_source="m", task_type="embed", engine_kwargs={"tensor_parallel_size": 2},
+        placement_group_config={"bundles": [{"CPU": 2}] * 2, "strategy": "SPREAD"},
+    )
+    args = config.engine_args()
+    assert (args.model, args.task, args.num_cpus_per_worker, args.placement_group_strategy) == ("m", "embed", 2.0, "SPREAD")
+    bad = [
+        dict(concurrency=(3, 2)),
+        dict(model_source="a", engine_kwargs={"model": "b"}),
+        dict(placement_group_config={"bundles": [{"CPU": 1}, {"CPU": 2}]}),
+        dict(placement_group_config={"bundle_per_worker": {"CPU": 1}, "spread": True}),
+    ]
+    for fields in bad:
+        with pytest.raises(ValueError):
+            EngineProcessorConfig(**fields).engine_args()
+    with pytest.raises(ValueError, match="3 bundles for 2 ranks"):
+        EngineProcessorConfig(engine_kwargs={"tensor_parallel_size": 2},
+                              placement_group_config={"bundles": [{"CPU": 1}] * 3}).engine_args()

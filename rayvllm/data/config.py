@@ -96,7 +96,12 @@ class EngineProcessorConfig(BaseModel):
         if self.task_type == "embed" and "runner" not in kwargs:
             kwargs["task"] = "embed"
         kwargs.update(_placement_args(self.placement_group_config))
-        return EngineArgs.from_dict(kwargs)
+        args = EngineArgs.from_dict(kwargs)
+        bundles = (self.placement_group_config or {}).get("bundles")
+        ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+        if bundles and len(bundles) not in (ranks, ranks * args.data_parallel_size):
+            raise ValueError(f"placement_group_config: {len(bundles)} bundles for {ranks} ranks per engine")
+        return args
 
 
 def _placement_args(config: dict[str, Any] | None) -> dict[str, Any]:
