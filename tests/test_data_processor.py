@@ -132,6 +132,13 @@ def test_an_invalid_row_fails_alone(generated: list[dict[str, Any]]) -> None:
     assert bad["generated_tokens"] == [] and bad["prompt_token_ids"] == [5, 6]
 
 
+def test_an_invalid_row_fails_the_job_by_default(ray_local: None, tiny_model_dir: Path) -> None:
+    rows = [{"id": 0, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 2}},
+            {"id": 1, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 0}}]
+    with pytest.raises(Exception, match="row 1 of the batch failed: InvalidParameterError: max_tokens"):
+        build_processor(_config(tiny_model_dir))(ray.data.from_items(rows)).take_all()
+
+
 def test_a_killed_replica_loses_no_row(
     ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]]
 ) -> None:
