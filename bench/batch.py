@@ -125,7 +125,8 @@ def child_llm(model: str, rows: list[dict[str, Any]], args: argparse.Namespace) 
     finally:
         llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"rows": len(outs), "output_tokens": tokens, "seconds": seconds, "load_s": load_s}
+    return {"rows": len(outs), "output_tokens": tokens, "seconds": seconds, "load_s": load_s,
+            "with_load_s": seconds + load_s}
 
 
 def child_peer(model: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -222,15 +223,20 @@ def parent_main(args: argparse.Namespace) -> None:
     for engine in engines:
         p = results[engine]
         if "error" in p:
-            table.append([engine, "-", "-", "-", "-", "-", "-", p["error"][:120]])
+            table.append([engine, "-", "-", "-", "-", "-", "-", "-", p["error"][:120]])
             continue
         tok_s = p["output_tokens"] / p["seconds"]
-        ratio = f"{tok_s / (base['output_tokens'] / base['seconds']):.2f}x" if "seconds" in base else "-"
+        ratios = ["-", "-"]
+        if engine == "llm":
+            ratios = ["1.00x", "-"]
+        elif "seconds" in base:
+            ratios = [f"{base[key] / p['seconds']:.2f}x" for key in ("seconds", "with_load_s")]
         table.append([engine, str(p["rows"]), str(p["output_tokens"]), f"{p['seconds']:.2f}",
-                      f"{p['rows'] / p['seconds']:.2f}", f"{tok_s:.1f}", ratio, _note(engine, p)])
+                      f"{p['rows'] / p['seconds']:.2f}", f"{tok_s:.1f}", *ratios, _note(engine, p)])
     print()
-    print(format_table(["engine", "rows", "output tokens", "seconds", "rows/s", "output tok/s", "vs llm", "notes"],
-                       table))
+    print(format_table(["engine", "rows", "output tokens", "seconds", "rows/s", "output tok/s", "vs llm",
+                        "vs llm+load", "notes"], table))
+    print("(vs llm: llm's seconds / the engine's, for the same rows and tokens; vs llm+load: with llm's engine load)")
     print(f"({cpu_line()})")
 
 
