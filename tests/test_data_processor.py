@@ -1,6 +1,6 @@
 """Batch inference over Ray Data (rayvllm.data): every input row comes out
-once, in order, with its columns kept; greedy, seeded and structured
-(choice) rows equal the offline `LLM`'s tokens; an invalid row fails alone; a replica whose process
+once, in order, with its columns kept; greedy, seeded, structured
+(choice) and LoRA rows equal the offline `LLM`'s tokens; an invalid row fails alone; a replica whose process
 is killed mid-job (SIGKILL, by pid, once it has admitted a known number of
 rows) leaves a complete and exact output; `embed` equals `LLM.embed`; a
 replica runs a TP=2 engine on Ray. One shared Ray cluster (`ray_local`)."""
@@ -20,6 +20,7 @@ import ray
 from ray.data import DataContext
 
 from rayvllm import LLM, PoolingParams, SamplingParams
+from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.structured_outputs import StructuredOutputsParams
 from rayvllm.data import ERROR_COLUMN, EngineProcessorConfig, build_processor
 from rayvllm.data.replica import REPLICA_NAME_PREFIX
@@ -52,20 +53,30 @@ def _offline_request(row: dict[str, Any]) -> tuple[Any, SamplingParams]:
     return row.get("prompt") or {"prompt_token_ids": row["prompt_token_ids"]}, SamplingParams(**given)
 
 
+# A row that names LoRA adapter "a" (Ray Data LLM's `model` column), on an engine with LoRA on.
+LORA_ENGINE: dict[str, Any] = dict(enable_lora=True, max_loras=1, max_lora_rank=16)
+LORA_ROW: dict[str, Any] = {"id": 17, "prompt_token_ids": [7, 8, 9, 10], "model": "a",
+                            "sampling_params": {"temperature": 0.0, "max_tokens": 6}}
+
+
 @pytest.fixture(scope="module")
-def expected(tiny_model_dir: Path) -> dict[int, list[int]]:
-    """Each row's tokens from the offline engine, by id."""
+def expected(tiny_model_dir: Path, lora_adapters: dict[str, Path]) -> dict[int, list[int]]:
+    """Each row's tokens from the offline engine, by id (LORA_ROW's with its adapter)."""
     rows = _rows()
-    llm = LLM(str(tiny_model_dir), **ENGINE)
+    llm = LLM(str(tiny_model_dir), **ENGINE, **LORA_ENGINE)
     try:
         plain = [r for r in rows if "messages" not in r]
         requests = [_offline_request(r) for r in plain]
         outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
         [chat] = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+        prompt, params = _offline_request(LORA_ROW)
+        [adapted] = llm.generate(prompt, params, use_tqdm=False,
+                                 lora_request=LoRARequest("a", 1, str(lora_adapters["a"])))
     finally:
         llm.shutdown()
     tokens = {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(plain, outs)}
     tokens[15] = list(chat.outputs[0].token_ids)
+    tokens[LORA_ROW["id"]] = list(adapted.outputs[0].token_ids)
     return tokens
 
 
@@ -85,16 +96,22 @@ def _config(model_dir: Path, engine: dict[str, Any] | None = None, **fields: Any
 
 
 @pytest.fixture(scope="module")
-def generated(ray_local: None, ordered: None, tiny_model_dir: Path) -> list[dict[str, Any]]:
-    """The rows, plus one invalid one (id 99), through two replicas that go on after errors."""
-    rows = _rows()
+def generated(
+    ray_local: None, ordered: None, tiny_model_dir: Path, lora_adapters: dict[str, Path]
+) -> list[dict[str, Any]]:
+    """The rows, one invalid one (id 99) and LORA_ROW, through two replicas
+    that go on after errors."""
+    rows = [*_rows(), LORA_ROW]
     rows.insert(5, {"id": 99, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 0}})
-    processor = build_processor(_config(tiny_model_dir, concurrency=2, should_continue_on_error=True))
-    return processor(ray.data.from_items(rows)).take_all()
+    config = _config(
+        tiny_model_dir, LORA_ENGINE, concurrency=2, should_continue_on_error=True,
+        dynamic_lora_loading_path=str(lora_adapters["a"].parent),
+    )
+    return build_processor(config)(ray.data.from_items(rows)).take_all()
 
 
 def test_every_row_once_in_order_with_its_columns(generated: list[dict[str, Any]]) -> None:
-    want = _rows()
+    want = [*_rows(), LORA_ROW]
     want.insert(5, {"id": 99})
     assert [r["id"] for r in generated] == [r["id"] for r in want]
     for row, given in zip(generated, want):
@@ -167,7 +184,7 @@ def test_a_killed_replica_loses_no_row(
     job.join(timeout=300)
     assert not job.is_alive() and not failure, failure
     assert [r["id"] for r in result] == [r["id"] for r in rows]
-    assert {r["id"]: r["generated_tokens"] for r in result} == expected
+    assert {r["id"]: r["generated_tokens"] for r in result} == {r["id"]: expected[r["id"]] for r in rows}
 
 
 def _the_replica(job: threading.Thread, earlier: set[str]) -> Any:

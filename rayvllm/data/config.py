@@ -59,6 +59,10 @@ class EngineProcessorConfig(BaseModel):
         3, description="how many times a batch's unfinished rows are resubmitted after their replica died "
         "before they count as failed (a row that kills every engine must not loop forever)",
     )
+    dynamic_lora_loading_path: str | None = Field(
+        None, description="a folder of LoRA adapters: a row whose `model` names one of its subfolders runs "
+        "with that adapter (LoRA enabled through engine_kwargs); unset: `model` is the adapter's own path",
+    )
     placement_group_config: dict[str, Any] | None = Field(
         None, description="each engine worker's Ray placement: `bundle_per_worker` (or equal `bundles`, one "
         "per rank) and `strategy` (PACK, SPREAD, ...)",

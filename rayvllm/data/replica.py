@@ -84,9 +84,10 @@ def start_replica(config: EngineProcessorConfig, placement: ReplicaPlacement) ->
 @ray.remote
 class EngineReplica:
     def __init__(self, config: EngineProcessorConfig, reserved_pg: PlacementGroup | None) -> None:
-        stages = RowStages(config.apply_chat_template, config.chat_template, config.tokenize, config.detokenize)
         self.engine = async_llm_from_engine_args(config.engine_args(), reserved_pg=reserved_pg)
-        self.runner = RowRunner(self.engine, stages, config.task_type == "embed", config.max_pending_requests)
+        self.runner = RowRunner(
+            self.engine, RowStages.of(config), config.task_type == "embed", config.max_pending_requests
+        )
 
     def pid(self) -> int:
         """This replica's process id (and, answered, that its engine is built)."""

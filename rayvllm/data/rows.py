@@ -3,23 +3,25 @@ column names. Ray-free.
 
 A row asks with `prompt` (text), `messages` (a chat) or `prompt_token_ids`,
 and `sampling_params` (generate) or `pooling_params` (embed), a dict per
-row. Rows of one Arrow batch share one struct type for those dicts, so a
+row; `model` names a LoRA adapter (or the base model). Rows of one Arrow batch share one struct type for those dicts, so a
 key another row set reads None here: None means "the default".
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rayvllm.data.config import EngineProcessorConfig
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput
 from rayvllm.messages.pooling_params import PoolingParams
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 # What a replica needs of a row; the other columns stay with the feeder.
-REQUEST_COLUMNS = ("prompt", "messages", "prompt_token_ids", "sampling_params", "pooling_params")
+REQUEST_COLUMNS = ("prompt", "messages", "prompt_token_ids", "sampling_params", "pooling_params", "model")
 GENERATE_COLUMNS = (
     "prompt", "prompt_token_ids", "num_input_tokens", "generated_text", "generated_tokens",
     "num_generated_tokens", "finish_reason",
@@ -29,12 +31,28 @@ EMBED_COLUMNS = ("prompt", "prompt_token_ids", "num_input_tokens", "embeddings")
 
 @dataclass(frozen=True)
 class RowStages:
-    """Which of Ray Data LLM's stages run for a row (EngineProcessorConfig)."""
+    """Which of Ray Data LLM's stages run for a row, and where its LoRA
+    adapters are (EngineProcessorConfig)."""
 
     apply_chat_template: bool = True
     chat_template: str | None = None
     tokenize: bool = True
     detokenize: bool = True
+    base_model: str | None = None
+    lora_path: str | None = None
+
+    @classmethod
+    def of(cls, config: EngineProcessorConfig) -> "RowStages":
+        return cls(config.apply_chat_template, config.chat_template, config.tokenize, config.detokenize,
+                   config.model_source, config.dynamic_lora_loading_path)
+
+    def adapter_path(self, fields: Mapping[str, Any]) -> str | None:
+        """The LoRA adapter a row's `model` names (Ray Data LLM's column),
+        None for the base model."""
+        name = fields.get("model")
+        if name is None or name == self.base_model:
+            return None
+        return os.path.join(self.lora_path, name) if self.lora_path else str(name)
 
 
 def request_fields(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from rayvllm.data.rows import RowStages, embed_columns, generate_columns, poolin
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.frontend.processor import PromptType
 from rayvllm.messages.errors import RequestFailedError
+from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 
 # What a row's own request can raise: bad fields, a bad chat, a grammar
@@ -43,6 +44,7 @@ class RowRunner:
         self.embed = embed
         self._slots = asyncio.Semaphore(max_pending_requests) if max_pending_requests else None
         self._ids = itertools.count()
+        self._lora_ids: dict[str, int] = {}
         self.num_started = 0
         self._started_waiters: list[tuple[int, asyncio.Future[None]]] = []
 
@@ -83,7 +85,7 @@ class RowRunner:
             params = pooling_params(fields) if self.embed else sampling_params(fields)
             stream = self.engine.add_request(
                 prompt, params, f"row-{next(self._ids)}", add_special_tokens=add_special_tokens,
-                output_kind=RequestOutputKind.FINAL_ONLY,
+                output_kind=RequestOutputKind.FINAL_ONLY, lora_request=self._lora(fields),
             )
         except ROW_ERRORS as e:
             return row_error(e)
@@ -100,6 +102,14 @@ class RowRunner:
             return embed_columns(final, text)
         assert isinstance(final, RequestOutput)
         return generate_columns(final, text, self.stages)
+
+    def _lora(self, fields: Mapping[str, Any]) -> LoRARequest | None:
+        """The row's adapter; one id per adapter name for this engine's life."""
+        path = self.stages.adapter_path(fields)
+        if path is None:
+            return None
+        name = str(fields["model"])
+        return LoRARequest(name, self._lora_ids.setdefault(name, len(self._lora_ids) + 1), path)
 
     def _prompt(self, fields: Mapping[str, Any]) -> tuple[PromptType, str | None, bool]:
         """The engine prompt of a row, its text, and whether the tokenizer
