@@ -50,6 +50,7 @@ from _common import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
     PRESETS,
     build_model,
+    child_payload,
     cpu_line,
     ensure_repo_on_path,
     format_table,
@@ -210,13 +211,7 @@ def parent_main(args: argparse.Namespace) -> None:
             print(f"running {engine} ...", flush=True)
             child = run_child(_child_argv(engine, python, args, model, rows_path), env=env, timeout=args.timeout,
                               echo=args.verbose, prefix=f"[{engine}] ")
-            payload = dict(child.payload or {})
-            err = child.error()
-            if err:
-                payload["error"] = err
-                if not args.verbose:
-                    sys.stderr.write(f"[{engine}] failed; last output:\n" + "\n".join(child.log_tail[-15:]) + "\n")
-            results[engine] = payload
+            results[engine] = child_payload(child, engine, args.verbose)
 
     base = results.get("llm", {})
     table = []
