@@ -1,9 +1,10 @@
 """Batch inference over Ray Data (rayvllm.data): every input row comes out
-once, in order, with its columns kept; greedy, seeded, structured
-(choice) and LoRA rows equal the offline `LLM`'s tokens; an invalid row fails alone; a replica whose process
-is killed mid-job (SIGKILL, by pid, once it has admitted a known number of
-rows) leaves a complete and exact output; `embed` equals `LLM.embed`; a
-replica runs a TP=2 engine on Ray. One shared Ray cluster (`ray_local`)."""
+once, in order, with its columns kept; greedy, seeded, structured (choice)
+and LoRA rows equal the offline `LLM`'s tokens; an invalid row fails alone
+(or fails the job); a replica whose process is killed mid-job (SIGKILL, by
+pid, once it has admitted a known number of rows) leaves a complete and
+exact output; `embed` equals `LLM.embed`; a replica runs a TP=2 engine on
+Ray. One shared Ray cluster (`ray_local`)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ import ray
 from ray.data import DataContext
 
 from rayvllm import LLM, PoolingParams, SamplingParams
-from rayvllm.messages.lora_request import LoRARequest
-from rayvllm.messages.structured_outputs import StructuredOutputsParams
 from rayvllm.data import ERROR_COLUMN, EngineProcessorConfig, build_processor
 from rayvllm.data.replica import REPLICA_NAME_PREFIX
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
 ENGINE: dict[str, Any] = dict(dtype="float32", max_model_len=256, max_num_seqs=8)
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -37,7 +38,8 @@ def _rows() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for i in range(14):
         ids = [rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))]
-        rows.append({"id": i, "prompt_token_ids": ids, "sampling_params": {"temperature": 0.0, "max_tokens": 4 + i % 5}})
+        params = {"temperature": 0.0, "max_tokens": 4 + i % 5}
+        rows.append({"id": i, "prompt_token_ids": ids, "sampling_params": params})
     rows[6]["sampling_params"] = {"temperature": 1.0, "seed": 7, "max_tokens": 6}
     rows.append({"id": 14, "prompt": "Hello, my name is", "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
     rows.append({"id": 15, "messages": CHAT, "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
@@ -124,7 +126,7 @@ def test_every_row_once_in_order_with_its_columns(generated: list[dict[str, Any]
             assert got == value, key
 
 
-def test_greedy_and_seeded_rows_equal_the_offline_engine(
+def test_rows_equal_the_offline_engine(
     generated: list[dict[str, Any]], expected: dict[int, list[int]], tiny_tokenizer: Any
 ) -> None:
     for row in generated:
@@ -217,7 +219,9 @@ def test_embed_equals_llm_embed(ray_local: None, ordered: None, tiny_model_dir: 
         assert row["num_input_tokens"] == len(row["prompt_token_ids"])
 
 
-def test_a_tensor_parallel_replica(ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]]) -> None:
+def test_a_tensor_parallel_replica(
+    ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]]
+) -> None:
     """A replica whose engine has TP=2 makes its own SchedulerActor and two
     worker actors on Ray; greedy rows equal the single-process engine's."""
     rows = [r for r in _rows() if r["sampling_params"].get("temperature") == 0.0][:4]
@@ -234,7 +238,8 @@ def test_config_maps_to_engine_args() -> None:
         placement_group_config={"bundles": [{"CPU": 2}] * 2, "strategy": "SPREAD"},
     )
     args = config.engine_args()
-    assert (args.model, args.task, args.num_cpus_per_worker, args.placement_group_strategy) == ("m", "embed", 2.0, "SPREAD")
+    got = (args.model, args.task, args.num_cpus_per_worker, args.placement_group_strategy)
+    assert got == ("m", "embed", 2.0, "SPREAD")
     bad = [
         dict(concurrency=(3, 2)),
         dict(model_source="a", engine_kwargs={"model": "b"}),

@@ -49,8 +49,13 @@ class EngineProcessorConfig(BaseModel):
     )
     apply_chat_template: bool = Field(True, description="render a row's `messages` with the chat template")
     chat_template: str | None = Field(None, description="a Jinja chat template instead of the tokenizer's")
-    tokenize: bool = Field(True, description="tokenize a row's `prompt`; off: rows carry `prompt_token_ids`")
-    detokenize: bool = Field(True, description="fill `generated_text`; off: it is left empty")
+    tokenize: bool = Field(
+        True, description="Ray Data LLM's tokenize stage, accepted so that a config carries over: here the "
+        "engine tokenizes a row's text as it admits it either way (rows with `prompt_token_ids` skip it)",
+    )
+    detokenize: bool = Field(
+        True, description="fill `generated_text`; off: it is left empty (the engine still decodes for stop strings)"
+    )
     should_continue_on_error: bool = Field(
         False, description=f"a row whose request fails gets its error in `{ERROR_COLUMN}` and the job goes "
         "on; off: the job fails",
@@ -122,7 +127,9 @@ def _placement_args(config: dict[str, Any] | None) -> dict[str, Any]:
     bundle = config.get("bundle_per_worker")
     if bundles:
         if bundle is not None or any(b != bundles[0] for b in bundles):
-            raise ValueError("placement_group_config: `bundles` must be equal (one per rank), without bundle_per_worker")
+            raise ValueError(
+                "placement_group_config: `bundles` must be equal (one per rank), without bundle_per_worker"
+            )
         bundle = bundles[0]
     out: dict[str, Any] = {}
     if bundle and bundle.get("CPU"):

@@ -78,7 +78,8 @@ class ReplicaPlacement:
 def start_replica(config: EngineProcessorConfig, placement: ReplicaPlacement) -> Any:
     """A new named replica (not yet answering: its engine builds in its constructor)."""
     name = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:12]}"
-    return EngineReplica.options(name=name, **placement.options).remote(config, placement.pg)  # type: ignore[attr-defined]
+    options = {"name": name, **placement.options}
+    return EngineReplica.options(**options).remote(config, placement.pg)  # type: ignore[attr-defined]
 
 
 @ray.remote

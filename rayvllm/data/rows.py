@@ -3,8 +3,9 @@ column names. Ray-free.
 
 A row asks with `prompt` (text), `messages` (a chat) or `prompt_token_ids`,
 and `sampling_params` (generate) or `pooling_params` (embed), a dict per
-row; `model` names a LoRA adapter (or the base model). Rows of one Arrow batch share one struct type for those dicts, so a
-key another row set reads None here: None means "the default".
+row; `model` names a LoRA adapter (or the base model). Rows of one Arrow
+batch share one struct type for those dicts, so a key another row set
+reads None here: None means "the default".
 """
 
 from __future__ import annotations
@@ -32,19 +33,19 @@ EMBED_COLUMNS = ("prompt", "prompt_token_ids", "num_input_tokens", "embeddings")
 @dataclass(frozen=True)
 class RowStages:
     """Which of Ray Data LLM's stages run for a row, and where its LoRA
-    adapters are (EngineProcessorConfig)."""
+    adapters are (EngineProcessorConfig). Tokenizing is no stage of its
+    own here: the engine tokenizes text as it admits it."""
 
     apply_chat_template: bool = True
     chat_template: str | None = None
-    tokenize: bool = True
     detokenize: bool = True
     base_model: str | None = None
     lora_path: str | None = None
 
     @classmethod
     def of(cls, config: EngineProcessorConfig) -> "RowStages":
-        return cls(config.apply_chat_template, config.chat_template, config.tokenize, config.detokenize,
-                   config.model_source, config.dynamic_lora_loading_path)
+        return cls(config.apply_chat_template, config.chat_template, config.detokenize, config.model_source,
+                   config.dynamic_lora_loading_path)
 
     def adapter_path(self, fields: Mapping[str, Any]) -> str | None:
         """The LoRA adapter a row's `model` names (Ray Data LLM's column),

@@ -124,11 +124,8 @@ class RowRunner:
             if not stages.apply_chat_template:
                 raise ValueError("the row has `messages` but apply_chat_template is off")
             text = self.engine.render_chat(fields["messages"], chat_template=stages.chat_template)
-            if not stages.tokenize:
-                raise ValueError("the row needs tokenizing but tokenize is off; give `prompt_token_ids`")
-            return {"prompt_token_ids": self.engine.tokenize(text, add_special_tokens=False), "prompt": text}, text, False
+            ids = self.engine.tokenize(text, add_special_tokens=False)
+            return {"prompt_token_ids": ids, "prompt": text}, text, False
         if text is None:
             raise ValueError("the row has none of `prompt`, `messages`, `prompt_token_ids`")
-        if not stages.tokenize:
-            raise ValueError("the row needs tokenizing but tokenize is off; give `prompt_token_ids`")
         return text, text, True
