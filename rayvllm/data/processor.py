@@ -38,6 +38,10 @@ def _pool(config: EngineProcessorConfig) -> ActorPoolStrategy:
 
 
 class Processor:
+    """Ray Data LLM's `Processor`: calling it on a dataset returns the
+    mapped dataset, unexecuted; each execution starts its own feeders and
+    replicas and stops them when it ends."""
+
     def __init__(self, config: EngineProcessorConfig, preprocess: RowFn | None, postprocess: RowFn | None) -> None:
         self.config = config
         self.preprocess = preprocess
