@@ -331,6 +331,18 @@ class ChildResult:
         return f"exit code {self.returncode}: {last}"
 
 
+def child_payload(child: ChildResult, engine: str, verbose: bool) -> dict[str, Any]:
+    """A child's result, its error recorded (and, unless its output was
+    echoed, the last lines of it shown)."""
+    payload = dict(child.payload or {"engine": engine})
+    err = child.error()
+    if err:
+        payload["error"] = err
+        if not verbose:
+            sys.stderr.write(f"[{engine}] failed; last output:\n" + "\n".join(child.log_tail[-15:]) + "\n")
+    return payload
+
+
 def run_child(
     argv: Sequence[str],
     env: dict[str, str] | None = None,

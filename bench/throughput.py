@@ -83,6 +83,7 @@ from _common import (  # noqa: E402
     BenchRequest,
     Workload,
     build_model,
+    child_payload,
     cpu_line,
     count_output_tokens,
     default_dtype,
@@ -392,13 +393,7 @@ def parent_main(args: argparse.Namespace) -> None:
                 prefix=f"[{engine}] ",
                 log_path=log_path,
             )
-            payload = dict(child.payload or {"engine": engine})
-            err = child.error()
-            if err:
-                payload["error"] = err
-                if not args.verbose:
-                    sys.stderr.write(f"[{engine}] failed; last output:\n" + "\n".join(child.log_tail[-15:]) + "\n")
-            results[engine] = payload
+            results[engine] = child_payload(child, engine, args.verbose)
 
     ray_result = results.get("rayvllm", {})
     base: float | None = None if "error" in ray_result else ray_result.get("tok_s")

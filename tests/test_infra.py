@@ -282,7 +282,7 @@ def test_cluster_launcher_config_passes_rays_schema(path: Path) -> None:
 
 
 def _pinned_ray(text: str) -> set[str]:
-    return set(re.findall(r"ray\[serve\]==([0-9.]+)", text))
+    return set(re.findall(r"ray\[[a-z,]+\]==([0-9.]+)", text))
 
 
 @pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)

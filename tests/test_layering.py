@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rayvllm.worker", "rayvllm.executor"),
     ("rayvllm.engine", "rayvllm.frontend"),
     ("rayvllm.actors",),  # the Ray layer: thin shims over the Ray-free core
-    ("rayvllm.entrypoints",),
+    ("rayvllm.entrypoints", "rayvllm.data"),  # entrypoints; batch inference over Ray Data
     ("rayvllm",),
 ]
 

@@ -1,5 +1,6 @@
 """docs/CONFIG.md, written from the one source of every default and help
-text: the config dataclasses' fields (through `EngineArgs`) and `ServerArgs`.
+text: the config dataclasses' fields (through `EngineArgs`), `ServerArgs`
+and the batch processor's `EngineProcessorConfig`.
 
     python -m rayvllm.entrypoints.config_doc > docs/CONFIG.md
 """
@@ -12,6 +13,7 @@ from pydantic import BaseModel
 
 from rayvllm.config.engine_args import ENGINE_ARG_GROUPS, NESTED_ARG_GROUPS
 from rayvllm.config.fields import Argument, cli_flag, format_default, type_name, user_arguments
+from rayvllm.data.config import EngineProcessorConfig
 from rayvllm.entrypoints.openai.server_args import ServerArgs
 
 REGENERATE = "python -m rayvllm.entrypoints.config_doc > docs/CONFIG.md"
@@ -26,7 +28,8 @@ serve_app:build_app`, under `args:` in a Serve config file, and as
 are converted by the type: `true`/`false`, numbers, `none`, JSON objects,
 lists as JSON or comma-separated.
 
-Generated from the config dataclasses and `ServerArgs`; do not edit by hand,
+Generated from the config dataclasses, `ServerArgs` and
+`EngineProcessorConfig`; do not edit by hand,
 regenerate with `{REGENERATE}`.
 """
 
@@ -40,8 +43,8 @@ def _row(name: str, annotation: Any, default: Any, flag: str, help: str) -> str:
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
-def _table(title: str, rows: list[str], intro: str = "") -> list[str]:
-    head = ["| Argument | Type | Default | CLI flag | Help |", "|---|---|---|---|---|"]
+def _table(title: str, rows: list[str], intro: str = "", given_as: str = "CLI flag") -> list[str]:
+    head = [f"| Argument | Type | Default | {given_as} | Help |", "|---|---|---|---|---|"]
     return [f"## {title}", "", *([intro, ""] if intro else []), *head, *rows, ""]
 
 
@@ -60,6 +63,13 @@ def _server_rows(model: type[BaseModel]) -> list[str]:
     ]
 
 
+def _keyword_rows(model: type[BaseModel]) -> list[str]:
+    return [
+        _row(name, f.annotation, f.get_default(call_default_factory=True), f"`{name}=`", f.description or "")
+        for name, f in model.model_fields.items()
+    ]
+
+
 def render() -> str:
     """The whole of docs/CONFIG.md."""
     lines = [_HEADER]
@@ -71,6 +81,10 @@ def render() -> str:
     lines += _table(
         "Server (ServerArgs)", _server_rows(ServerArgs),
         "The OpenAI server's own options (`serve run`, `rayvllm serve`); the offline `LLM` has none.",
+    )
+    lines += _table(
+        "Batch processor (EngineProcessorConfig)", _keyword_rows(EngineProcessorConfig),
+        "`rayvllm.data.EngineProcessorConfig(...)`, Ray Data LLM's names ([BATCH.md](BATCH.md)).", "Keyword",
     )
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -1,0 +1,110 @@
+"""`EngineReplica`: one engine of a batch job as a long-lived async Ray
+actor, the thin shim over `RowRunner` (runner.py). Its engine runs in the
+actor's process (`AsyncLLM` in-process), or, with a parallel size above 1
+or the Ray backend, in a SchedulerActor and worker actors of its own,
+placed in the bundles its feeder reserved (`ReplicaPlacement`).
+
+A replica whose engine died exits its process, so that Ray restarts it
+(`max_restarts`) with a fresh engine and its feeders resubmit the rows it
+held (feeder.py); a dead engine must never answer as if alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayvllm.actors.factory import async_llm_from_engine_args
+from rayvllm.actors.placement import HOT_PATH_RUNTIME_ENV, deployment_bundles, worker_bundles
+from rayvllm.data.config import EngineProcessorConfig
+from rayvllm.data.rows import RowStages
+from rayvllm.data.runner import RowRunner
+from rayvllm.messages.errors import EngineDeadError, PlacementError
+
+logger = logging.getLogger(__name__)
+
+# Replicas are named actors (`ray list actors` shows them by this prefix).
+REPLICA_NAME_PREFIX = "rayvllm-data-replica-"
+
+
+class ReplicaPlacement:
+    """Where a feeder's replica runs, as Serve places an `LLMServer`
+    replica. An engine in the actor's process: the actor takes its one
+    worker's resources. An engine on Ray: a placement group laid out by
+    `deployment_bundles` (the replica's bundle, then every worker group's),
+    owned by the feeder, the replica in bundle 0 and the engine's actors in
+    the others (`reserved_pg`); removing the group (`release`) ends them
+    all, even after the replica died without stopping its engine.
+
+    The replica is restarted by Ray without limit; the feeder bounds the
+    retries per batch instead (`max_batch_retries`)."""
+
+    def __init__(self, config: EngineProcessorConfig) -> None:
+        args = config.engine_args()
+        parallel = args.create_parallel_config()
+        device = args.resolve_device()
+        env = dict(config.runtime_env or {})
+        env["env_vars"] = {**HOT_PATH_RUNTIME_ENV["env_vars"], **env.get("env_vars", {})}
+        self.options: dict[str, Any] = {"runtime_env": env, "max_restarts": -1, "max_task_retries": 0}
+        self.pg: PlacementGroup | None = None
+        if not parallel.use_ray:
+            bundle = worker_bundles(parallel, device)[0]
+            self.options.update(num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0))
+            return
+        bundles = deployment_bundles(parallel, device)
+        self.pg = placement_group(bundles, strategy=parallel.placement_group_strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=parallel.placement_group_timeout_s)
+        if not ready:
+            self.release()
+            raise PlacementError(
+                f"an engine replica's placement group ({len(bundles)} bundles) was not placed within "
+                f"{parallel.placement_group_timeout_s:g}s"
+            )
+        self.options.update(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, 0))
+
+    def release(self) -> None:
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def start_replica(config: EngineProcessorConfig, placement: ReplicaPlacement) -> Any:
+    """A new named replica (not yet answering: its engine builds in its constructor)."""
+    name = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:12]}"
+    options = {"name": name, **placement.options}
+    return EngineReplica.options(**options).remote(config, placement.pg)  # type: ignore[attr-defined]
+
+
+@ray.remote
+class EngineReplica:
+    def __init__(self, config: EngineProcessorConfig, reserved_pg: PlacementGroup | None) -> None:
+        self.engine = async_llm_from_engine_args(config.engine_args(), reserved_pg=reserved_pg)
+        self.runner = RowRunner(
+            self.engine, RowStages.of(config), config.task_type == "embed", config.max_pending_requests
+        )
+
+    def pid(self) -> int:
+        """This replica's process id (and, answered, that its engine is built)."""
+        return os.getpid()
+
+    async def wait_started(self, n: int) -> int:
+        """Once `n` rows have been admitted to this engine: its process id."""
+        await self.runner.wait_started(n)
+        return os.getpid()
+
+    @ray.method(num_returns="streaming")  # type: ignore[misc]
+    async def process(self, rows: list[tuple[int, dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Each row's `(index, columns)` as it finishes (RowRunner.run)."""
+        try:
+            async for item in self.runner.run(rows):
+                yield item
+        except EngineDeadError:
+            logger.exception("the replica's engine died; exiting so that Ray restarts the replica")
+            os._exit(1)

@@ -1,0 +1,262 @@
+"""Batch inference over Ray Data (rayvllm.data): every input row comes out
+once, in order, with its columns kept; greedy, seeded, structured (choice)
+and LoRA rows equal the offline `LLM`'s tokens; an invalid row fails alone
+(or fails the job); a replica whose process is killed mid-job (SIGKILL, by
+pid, once it has admitted a known number of rows) leaves a complete and
+exact output; `embed` equals `LLM.embed`; a replica runs a TP=2 engine on
+Ray. One shared Ray cluster (`ray_local`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray.data import DataContext
+
+from rayvllm import LLM, PoolingParams, SamplingParams
+from rayvllm.data import ERROR_COLUMN, EngineProcessorConfig, build_processor
+from rayvllm.data.replica import REPLICA_NAME_PREFIX
+from rayvllm.messages.lora_request import LoRARequest
+from rayvllm.messages.structured_outputs import StructuredOutputsParams
+
+ENGINE: dict[str, Any] = dict(dtype="float32", max_model_len=256, max_num_seqs=8)
+CHAT = [{"role": "user", "content": "Say something."}]
+CHOICES = ["yes", "no", "maybe later"]
+
+
+def _rows() -> list[dict[str, Any]]:
+    """Token-id prompts (greedy, and one seeded sample), text prompts, a
+    chat and a structured output (a choice)."""
+    rng = random.Random(3)
+    rows: list[dict[str, Any]] = []
+    for i in range(14):
+        ids = [rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))]
+        params = {"temperature": 0.0, "max_tokens": 4 + i % 5}
+        rows.append({"id": i, "prompt_token_ids": ids, "sampling_params": params})
+    rows[6]["sampling_params"] = {"temperature": 1.0, "seed": 7, "max_tokens": 6}
+    rows.append({"id": 14, "prompt": "Hello, my name is", "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
+    rows.append({"id": 15, "messages": CHAT, "sampling_params": {"temperature": 0.0, "max_tokens": 5}})
+    rows.append({"id": 16, "prompt": "Answer:", "sampling_params": {"temperature": 0.0, "max_tokens": 16,
+                 "structured_outputs": {"choice": CHOICES}}})
+    return rows
+
+
+def _offline_request(row: dict[str, Any]) -> tuple[Any, SamplingParams]:
+    given = dict(row["sampling_params"])
+    if "structured_outputs" in given:
+        given["structured_outputs"] = StructuredOutputsParams(**given["structured_outputs"])
+    return row.get("prompt") or {"prompt_token_ids": row["prompt_token_ids"]}, SamplingParams(**given)
+
+
+# A row that names LoRA adapter "a" (Ray Data LLM's `model` column), on an engine with LoRA on.
+LORA_ENGINE: dict[str, Any] = dict(enable_lora=True, max_loras=1, max_lora_rank=16)
+LORA_ROW: dict[str, Any] = {"id": 17, "prompt_token_ids": [7, 8, 9, 10], "model": "a",
+                            "sampling_params": {"temperature": 0.0, "max_tokens": 6}}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path, lora_adapters: dict[str, Path]) -> dict[int, list[int]]:
+    """Each row's tokens from the offline engine, by id (LORA_ROW's with its adapter)."""
+    rows = _rows()
+    llm = LLM(str(tiny_model_dir), **ENGINE, **LORA_ENGINE)
+    try:
+        plain = [r for r in rows if "messages" not in r]
+        requests = [_offline_request(r) for r in plain]
+        outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        [chat] = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+        prompt, params = _offline_request(LORA_ROW)
+        [adapted] = llm.generate(prompt, params, use_tqdm=False,
+                                 lora_request=LoRARequest("a", 1, str(lora_adapters["a"])))
+    finally:
+        llm.shutdown()
+    tokens = {r["id"]: list(o.outputs[0].token_ids) for r, o in zip(plain, outs)}
+    tokens[15] = list(chat.outputs[0].token_ids)
+    tokens[LORA_ROW["id"]] = list(adapted.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def ordered() -> Iterator[None]:
+    """Ray Data keeps the input's order (for the order checks)."""
+    options = DataContext.get_current().execution_options
+    before, options.preserve_order = options.preserve_order, True
+    yield
+    options.preserve_order = before
+
+
+def _config(model_dir: Path, engine: dict[str, Any] | None = None, **fields: Any) -> EngineProcessorConfig:
+    return EngineProcessorConfig(
+        model_source=str(model_dir), engine_kwargs={**ENGINE, **(engine or {})}, batch_size=4, **fields
+    )
+
+
+@pytest.fixture(scope="module")
+def generated(
+    ray_local: None, ordered: None, tiny_model_dir: Path, lora_adapters: dict[str, Path]
+) -> list[dict[str, Any]]:
+    """The rows, one invalid one (id 99) and LORA_ROW, through two replicas
+    that go on after errors."""
+    rows = [*_rows(), LORA_ROW]
+    rows.insert(5, {"id": 99, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 0}})
+    config = _config(
+        tiny_model_dir, LORA_ENGINE, concurrency=2, should_continue_on_error=True,
+        dynamic_lora_loading_path=str(lora_adapters["a"].parent),
+    )
+    return build_processor(config)(ray.data.from_items(rows)).take_all()
+
+
+def test_every_row_once_in_order_with_its_columns(generated: list[dict[str, Any]]) -> None:
+    want = [*_rows(), LORA_ROW]
+    want.insert(5, {"id": 99})
+    assert [r["id"] for r in generated] == [r["id"] for r in want]
+    for row, given in zip(generated, want):
+        for key, value in given.items():
+            # The input's columns come back as they went in (Arrow gives a
+            # dict column every key any row's dict has, None where unset).
+            got = row[key]
+            if isinstance(value, dict):
+                got = {k: v for k, v in got.items() if v is not None}
+            assert got == value, key
+
+
+def test_rows_equal_the_offline_engine(
+    generated: list[dict[str, Any]], expected: dict[int, list[int]], tiny_tokenizer: Any
+) -> None:
+    for row in generated:
+        if row["id"] == 99:
+            continue
+        assert row[ERROR_COLUMN] == ""
+        assert row["generated_tokens"] == expected[row["id"]], row["id"]
+        assert row["num_generated_tokens"] == len(expected[row["id"]])
+        assert row["num_input_tokens"] == len(row["prompt_token_ids"])
+        assert row["generated_text"] == tiny_tokenizer.decode(row["generated_tokens"], skip_special_tokens=True)
+        if row["id"] != 16:
+            assert row["finish_reason"] == "length"
+    choice = next(r for r in generated if r["id"] == 16)
+    assert choice["generated_text"] in CHOICES and choice["finish_reason"] == "stop"
+    chat = next(r for r in generated if r["id"] == 15)
+    assert chat["prompt"].startswith("<|im_start|>user")  # the chat template's text
+
+
+def test_an_invalid_row_fails_alone(generated: list[dict[str, Any]]) -> None:
+    [bad] = [r for r in generated if r[ERROR_COLUMN]]
+    assert bad["id"] == 99 and "max_tokens" in bad[ERROR_COLUMN]
+    assert bad["generated_tokens"] == [] and bad["prompt_token_ids"] == [5, 6]
+
+
+def test_an_invalid_row_fails_the_job_by_default(ray_local: None, tiny_model_dir: Path) -> None:
+    rows = [{"id": 0, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 2}},
+            {"id": 1, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 0}}]
+    with pytest.raises(Exception, match="row 1 of the batch failed: InvalidParameterError: max_tokens"):
+        build_processor(_config(tiny_model_dir))(ray.data.from_items(rows)).take_all()
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "gone_for_good"])
+def test_a_killed_replica_loses_no_row(
+    ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]], fault: str
+) -> None:
+    """Kill the replica once it has admitted 8 of the 17 rows (at most 4 at
+    a time: some have finished, and at least 8 never reached the killed
+    engine): its process by pid (SIGKILL), and Ray restarts it; or for good
+    (`ray.kill` with no restart, as when its restarts are spent), and the
+    feeder starts a new replica. Either way the feeder resubmits the
+    unfinished rows, and the output is complete and exactly the undisturbed
+    run's."""
+    rows = _rows()
+    config = _config(tiny_model_dir, concurrency=1, max_pending_requests=4)
+    result: list[dict[str, Any]] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.extend(build_processor(config)(ray.data.from_items(rows)).take_all())
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            failure.append(e)
+
+    job = threading.Thread(target=run)
+    earlier = set(ray.util.list_named_actors())  # a finished job's replicas may still be listed
+    job.start()
+    replica = _the_replica(job, earlier)
+    killed = ray.get(replica.wait_started.remote(8), timeout=120)
+    if fault == "sigkill":
+        os.kill(killed, signal.SIGKILL)
+    else:
+        named = set(ray.util.list_named_actors())
+        ray.kill(replica, no_restart=True)
+        _the_replica(job, named)  # its successor
+    job.join(timeout=300)
+    assert not job.is_alive() and not failure, failure
+    assert [r["id"] for r in result] == [r["id"] for r in rows]
+    assert {r["id"]: r["generated_tokens"] for r in result} == {r["id"]: expected[r["id"]] for r in rows}
+
+
+def _the_replica(job: threading.Thread, earlier: set[str]) -> Any:
+    """The one engine replica of the running job, once the job has named it."""
+    while job.is_alive():
+        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_NAME_PREFIX) and n not in earlier]
+        if names:
+            [name] = names
+            return ray.get_actor(name)
+        job.join(timeout=0.05)  # polls for the name; the kill itself waits on the replica's own event
+    raise AssertionError("the job ended before it made a replica")
+
+
+def test_embed_equals_llm_embed(ray_local: None, ordered: None, tiny_model_dir: Path) -> None:
+    rows = [r for r in _rows() if "prompt_token_ids" in r][:6]
+    for row in rows:
+        row["pooling_params"] = {"normalize": row["id"] % 2 == 0}
+    llm = LLM(str(tiny_model_dir), task="embed", **ENGINE)
+    try:
+        want = llm.embed([{"prompt_token_ids": r["prompt_token_ids"]} for r in rows],
+                         [PoolingParams(**r["pooling_params"]) for r in rows], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    processor = build_processor(_config(tiny_model_dir, task_type="embed"))
+    got = processor(ray.data.from_items(rows)).take_all()
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    for row, out in zip(got, want):
+        assert len(row["embeddings"]) == len(out.outputs.embedding)
+        assert max(abs(a - b) for a, b in zip(row["embeddings"], out.outputs.embedding)) < 1e-5
+        assert row["num_input_tokens"] == len(row["prompt_token_ids"])
+
+
+def test_a_tensor_parallel_replica(
+    ray_local: None, ordered: None, tiny_model_dir: Path, expected: dict[int, list[int]]
+) -> None:
+    """A replica whose engine has TP=2 makes its own SchedulerActor and two
+    worker actors on Ray; greedy rows equal the single-process engine's."""
+    rows = [r for r in _rows() if r["sampling_params"].get("temperature") == 0.0][:4]
+    config = _config(tiny_model_dir, engine={"tensor_parallel_size": 2})
+    got = build_processor(config)(ray.data.from_items(rows)).take_all()
+    assert {r["id"]: r["generated_tokens"] for r in got} == {r["id"]: expected[r["id"]] for r in rows}
+
+
+def test_config_maps_to_engine_args() -> None:
+    """Ray Data LLM's knobs become the engine's: the model, the pooling
+    runner for `embed`, the workers' placement; contradictions fail early."""
+    config = EngineProcessorConfig(
+        model_source="m", task_type="embed", engine_kwargs={"tensor_parallel_size": 2},
+        placement_group_config={"bundles": [{"CPU": 2}] * 2, "strategy": "SPREAD"},
+    )
+    args = config.engine_args()
+    got = (args.model, args.task, args.num_cpus_per_worker, args.placement_group_strategy)
+    assert got == ("m", "embed", 2.0, "SPREAD")
+    bad = [
+        dict(concurrency=(3, 2)),
+        dict(model_source="a", engine_kwargs={"model": "b"}),
+        dict(placement_group_config={"bundles": [{"CPU": 1}, {"CPU": 2}]}),
+        dict(placement_group_config={"bundle_per_worker": {"CPU": 1}, "spread": True}),
+    ]
+    for fields in bad:
+        with pytest.raises(ValueError):
+            EngineProcessorConfig(**fields).engine_args()
+    with pytest.raises(ValueError, match="3 bundles for 2 ranks"):
+        EngineProcessorConfig(engine_kwargs={"tensor_parallel_size": 2},
+                              placement_group_config={"bundles": [{"CPU": 1}] * 3}).engine_args()
