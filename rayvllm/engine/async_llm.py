@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.replica_router import ReplicaLoad, encode_report
+from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
+from rayvllm.engine.weight_sync import sync_weights
 from rayvllm.frontend.metrics import EngineMetrics
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor, PromptType
@@ -419,6 +421,40 @@ class AsyncLLM:
         queue = self._queues.get(out.request_id)
         if notify and queue is not None:
             queue.put_nowait(out)
+
+    # ---- the control plane (docs/RL.md; `LLMEngine` documents each call) ----------
+
+    async def _utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A core utility, waited for on a thread (the core runs it between steps)."""
+        if self.dead_error is not None or self._closed:
+            raise EngineDeadError("the engine is not running")
+        return await asyncio.to_thread(self.engine_core.call_utility, method, *args, **kwargs)
+
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return await self._utility("collective_rpc", method, args, kwargs)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._utility("reset_prefix_cache")
+
+    async def init_weight_transfer_engine(self, backend: str, **init_info: Any) -> None:
+        await self._utility("init_weight_transfer_engine", backend, **init_info)
+
+    async def start_weight_update(self) -> None:
+        await self._utility("start_weight_update")
+
+    async def update_weights(
+        self, update_info: WeightUpdateInfo | dict[str, Any] | None = None, weights: Any = None
+    ) -> None:
+        shared = await asyncio.to_thread(self.engine_core.share_weights, weights)
+        await self._utility("update_weights", update_info, shared)
+
+    async def finish_weight_update(self) -> None:
+        await self._utility("finish_weight_update")
+
+    async def sync_weights(self, weights: Any, backend: str = "ray") -> None:
+        await asyncio.to_thread(sync_weights, self.engine_core, weights, backend)
 
     # ---- health and lifecycle -----------------------------------------------------
 

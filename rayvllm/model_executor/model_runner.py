@@ -18,8 +18,9 @@ samples randomly or uses penalties, biases or logprobs (pageable copies).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.model_executor.sampler import Sampler
 from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
 from rayvllm.models.llama import LlamaForCausalLM
-from rayvllm.models.loader import load_model
+from rayvllm.models.loader import build_model, iterate_weights
 
 @dataclass
 class _StepPlan:
@@ -121,20 +122,37 @@ class ModelRunner:
         if self.on_cpu:
             keep_freed_memory()
         torch.manual_seed(self.model_config.seed)
-        self.model = load_model(
-            self.model_config.model,
-            self.model_config.hf_config,
-            self.dtype,
-            str(self.device),
-            self.parallel,
-            fused_kv_write=self.attn_backend.fused_cpu_kv_write,
-            with_lm_head=self.pooler is None,
-        )
+        self.model = self._build_model(iterate_weights(Path(self.model_config.model), self.dtype))
         ctx = ModelLoadContext(
             self.model, self.dtype, self.device, self.attn_backend.fused_cpu_kv_write, self._to_device
         )
         for ext in self.extensions:
             ext.load_model(ctx)
+
+    def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+        return build_model(
+            self.model_config.hf_config,
+            self.dtype,
+            weights,
+            str(self.device),
+            self.parallel,
+            fused_kv_write=self.attn_backend.fused_cpu_kv_write,
+            with_lm_head=self.pooler is None,
+        )
+
+    def reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the target model by one built from `weights` (HF names and
+        full shapes, every tensor of the checkpoint), bound to the same KV
+        caches. The old model stays in place until the new one is whole, so
+        a failure here leaves it serving. CUDA graphs, captured over the old
+        model's parameters, are captured again."""
+        model = self._build_model(weights)
+        for layer, (k, v) in zip(model.attention_layers(), self.kv_caches):
+            layer.bind_kv_cache(k, v, self.attn_backend)
+        self.model = model
+        if self.cuda_graphs is not None:
+            self.cuda_graphs = None
+            self._capture_cuda_graphs()
 
     def _kv_models(self) -> list[LlamaForCausalLM]:
         """Models whose KV this rank caches in the same blocks: the target,
