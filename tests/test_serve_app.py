@@ -350,7 +350,7 @@ def test_concurrent_clients_all_match(client: "openai.OpenAI", offline: LLM) -> 
 
 
 RL_ROUTES = ["/reset_prefix_cache", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-             "/finish_weight_update"]
+             "/finish_weight_update", "/pause", "/resume"]
 
 
 def _http_sync(weights: dict[str, Any]) -> None:
@@ -374,13 +374,17 @@ def _http_sync(weights: dict[str, Any]) -> None:
     assert requests.post(f"{BASE_URL}/finish_weight_update", headers=AUTH, timeout=120).status_code == 200
 
 
-def test_rl_routes_need_the_key_and_sync_weights_over_gloo(
+def test_rl_routes_need_the_key_pause_and_sync_weights_over_gloo(
     server: ServeProcess, client: "openai.OpenAI", tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from rl_oracle import save_weights, trained_weights
 
     for route in RL_ROUTES:
         assert requests.post(f"{BASE_URL}{route}", json={}, timeout=30).status_code == 401
+    assert requests.get(f"{BASE_URL}/is_paused", timeout=30).status_code == 401
+    for route, body, paused in (("/pause", {"mode": "keep"}, True), ("/resume", None, False)):
+        assert requests.post(f"{BASE_URL}{route}", json=body, headers=AUTH, timeout=30).status_code == 200
+        assert requests.get(f"{BASE_URL}/is_paused", headers=AUTH, timeout=30).json() == {"is_paused": paused}
     r = requests.post(f"{BASE_URL}/reset_prefix_cache", headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json() == {"reset": True}
     bad = requests.post(f"{BASE_URL}/init_weight_transfer_engine", json={"init_info": {"backend": "ray"}},

@@ -50,6 +50,9 @@ STEP_TIMEOUT_S = 60.0
 # Scheduler stats cost a round trip on the Ray path; gauges need no more.
 STATS_INTERVAL_S = 1.0
 
+# `pause_generation`'s modes (vLLM's).
+PAUSE_MODES = ("abort", "wait", "keep")
+
 # What a request's stream yields: generation outputs, or a pooling request's one output.
 EngineOutput = RequestOutput | PoolingRequestOutput
 
@@ -157,6 +160,13 @@ class AsyncLLM:
         self._core_failure: EngineDeadError | None = None
         self.dead_error: BaseException | None = None
         self._closed = False
+        # Paused (`pause_generation`): new requests are admitted but held
+        # here (user id -> its engine-core requests) until resumed; frozen
+        # (mode "keep"): the core schedules nothing, so no step is awaited.
+        self._paused = False
+        self._frozen = False
+        self._held: dict[str, list[EngineCoreRequest]] = {}
+        self._stepped: asyncio.Event | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -205,6 +215,9 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._unprefilled[request_id] = core_reqs
         self._unprefilled_tokens += prompt_tokens
+        if self._paused:
+            self._held[request_id] = core_reqs
+            return RequestStream(self, request_id, queue, output_kind)
         try:
             # While the core is replaced the client holds it for the new one.
             self.engine_core.add_requests(core_reqs)
@@ -272,6 +285,7 @@ class AsyncLLM:
         self._abort_now(request_id, notify=True)
 
     def _abort_now(self, request_id: str, notify: bool = False) -> None:
+        self._held.pop(request_id, None)
         ids = self.output_processor.child_request_ids([request_id])
         if not ids:
             return
@@ -295,6 +309,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine was shut down")
         if self._loop_task is None:
             self._wakeup = asyncio.Event()
+            self._stepped = asyncio.Event()
             loop = asyncio.get_running_loop()
             self._loop_task = loop.create_task(self._run(), name="rayvllm-engine-loop")
             self._watchdog_task = loop.create_task(self._watch_steps(), name="rayvllm-step-watchdog")
@@ -304,11 +319,18 @@ class AsyncLLM:
             self._wakeup.set()
 
     def _has_work(self) -> bool:
+        """Something the core will push for: a held request or a frozen
+        core's never would, and a step awaited for them would hang."""
         return (
             self._core_failure is not None
             or self.engine_core.has_pending_intake()
-            or self.output_processor.has_unfinished_requests()
+            or (not self._frozen and self._num_in_core() > 0)
         )
+
+    def _num_in_core(self) -> int:
+        """Unfinished engine-core requests that the core has (not held here)."""
+        held = sum(len(reqs) for reqs in self._held.values())
+        return self.output_processor.get_num_unfinished_requests() - held
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -338,6 +360,8 @@ class AsyncLLM:
                 self._step_started = None
                 self.restarts.step_done()
                 self._process(core_outputs)
+                assert self._stepped is not None
+                self._stepped.set()
                 if stats is not None:
                     self.metrics.record_scheduler_stats(stats)
         except asyncio.CancelledError:
@@ -455,6 +479,46 @@ class AsyncLLM:
 
     async def sync_weights(self, weights: Any, backend: str = "ray") -> None:
         await asyncio.to_thread(sync_weights, self.engine_core, weights, backend)
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Stop generating; requests that arrive from now on are admitted
+        and wait until `resume_generation`. `mode`: "abort" ends the
+        requests in flight with their tokens so far (finish_reason
+        "abort"); "wait" lets them finish first; "keep" freezes them where
+        they are, to go on after the resume (with `clear_cache`, their KV is
+        dropped and recomputed then: under new weights, after an update).
+        `clear_cache` also forgets the prefix cache."""
+        if mode not in PAUSE_MODES:
+            raise InvalidParameterError("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self._ensure_running()
+        self._paused = True
+        if mode == "abort":
+            for request_id in [rid for rid in self._queues if rid not in self._held]:
+                self._abort_now(request_id, notify=True)
+        elif mode == "wait":
+            assert self._stepped is not None
+            while self._num_in_core() > 0:
+                self._stepped.clear()
+                await self._stepped.wait()
+        else:
+            self._frozen = True
+            await self._utility("pause_scheduling", clear_cache)
+        if clear_cache and mode != "keep":
+            await self._utility("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        """Go on: frozen requests continue, held ones reach the engine in arrival order."""
+        if self._frozen:
+            await self._utility("resume_scheduling")
+            self._frozen = False
+        self._paused = False
+        held, self._held = self._held, {}
+        for core_reqs in held.values():
+            self.engine_core.add_requests(core_reqs)
+        self._wake()
+
+    def is_paused(self) -> bool:
+        return self._paused
 
     # ---- health and lifecycle -----------------------------------------------------
 

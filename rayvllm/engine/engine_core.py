@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 # The methods a client may call between steps (`call_utility`).
 UTILITY_METHODS = frozenset({
     "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine", "start_weight_update",
-    "update_weights", "finish_weight_update",
+    "update_weights", "finish_weight_update", "pause_scheduling", "resume_scheduling",
 })
 
 @dataclass
@@ -124,6 +124,8 @@ class EngineCore:
         # pipeline stages are kept full instead.
         self._can_wait_for_intake = self.max_inflight == 2 and pc.pipeline_parallel_size == 1
         self.request_rank: dict[str, int] = {}
+        # No step is scheduled while paused (`pause_scheduling`); requests wait where they are.
+        self.paused = False
 
     def _make_scheduler(self, rank: int) -> Scheduler:
         pc = self.config.parallel_config
@@ -187,6 +189,8 @@ class EngineCore:
         the workers. (A rank being rebuilt wakes its loop when it is back.)"""
         if any(self.inflight):
             return True
+        if self.paused:
+            return False
         if not self.recoveries:
             return bool(self.request_rank)
         return any(rank not in self.recoveries for rank in self.request_rank.values())
@@ -246,7 +250,9 @@ class EngineCore:
 
     def _schedule(self, depth: int) -> None:
         """Schedule and submit steps until each rank has `depth` in flight
-        or nothing left to run."""
+        or nothing left to run (nothing while paused)."""
+        if self.paused:
+            return
         for rank, scheduler in enumerate(self.schedulers):
             if rank in self.recoveries:
                 continue
@@ -334,6 +340,20 @@ class EngineCore:
         the prefix cache (its blocks hold the old weights' KV)."""
         self.collective_rpc("finish_weight_update")
         self.reset_prefix_cache()
+
+    def pause_scheduling(self, clear_cache: bool = False) -> None:
+        """Freeze every request where it is (`pause_generation(mode="keep")`).
+        `clear_cache`: preempt the running ones too, so their KV is
+        recomputed when they go on (under the weights of that time), and
+        forget the prefix cache."""
+        self.paused = True
+        if clear_cache:
+            for scheduler in self.schedulers:
+                scheduler.preempt_running()
+            self.reset_prefix_cache()
+
+    def resume_scheduling(self) -> None:
+        self.paused = False
 
     def take_block_events(self) -> BlockEvents | None:
         """The block events since the previous call (each reported once:

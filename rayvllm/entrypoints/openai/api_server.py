@@ -39,7 +39,7 @@ from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from rayvllm.entrypoints.openai.weight_transfer_protocol import UpdateWeightsRequest, WeightTransferInitRequest
+from rayvllm.entrypoints.openai.rl_protocol import PauseRequest, UpdateWeightsRequest, WeightTransferInitRequest
 from rayvllm.messages.errors import ModelNotFoundError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
@@ -223,6 +223,23 @@ class LLMServerImpl:
     async def reset_prefix_cache_route(self) -> Reply:
         return JSONResponse({"reset": await self.engine.reset_prefix_cache()})
 
+    @app.post("/pause")
+    @openai_route(PauseRequest)
+    async def pause_route(self, body: PauseRequest) -> Reply:
+        await self.engine.pause_generation(body.mode, body.clear_cache)
+        return Response(status_code=200)
+
+    @app.post("/resume")
+    @openai_route()
+    async def resume_route(self) -> Reply:
+        await self.engine.resume_generation()
+        return Response(status_code=200)
+
+    @app.get("/is_paused")
+    @openai_route()
+    async def is_paused_route(self) -> Reply:
+        return JSONResponse({"is_paused": self.engine.is_paused()})
+
     @app.post("/init_weight_transfer_engine")
     @openai_route(WeightTransferInitRequest)
     async def init_weight_transfer_engine_route(self, body: WeightTransferInitRequest) -> Reply:
@@ -275,6 +292,15 @@ class LLMServerImpl:
         """`weights`: a dict, or (best: the trainer puts once) an object ref
         to one; `gloo` broadcasts from this replica's process."""
         await self.engine.sync_weights(weights, backend)
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        await self.engine.pause_generation(mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.engine.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self.engine.is_paused()
 
     async def generate(
         self,

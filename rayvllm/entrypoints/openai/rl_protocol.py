@@ -1,5 +1,5 @@
-"""The bodies of the weight-transfer routes (vLLM's names and shapes:
-`init_info`, `update_info`). Over HTTP only the process-group backends
+"""The bodies of the RL control-plane routes: pause, and weight transfer
+(vLLM's names and shapes: `init_info`, `update_info`). Over HTTP only the process-group backends
 apply (gloo, nccl): the route carries the group's address and each chunk's
 metadata, and the tensors travel over the group; the `ray` backend's
 object refs go through the Python handle (`sync_weights`, `update_weights`)."""
@@ -40,3 +40,10 @@ class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     update_info: WeightUpdateInfoBody
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "wait", "keep"] = "abort"
+    clear_cache: bool = False
