@@ -66,6 +66,24 @@ def keep_freed_memory() -> bool:
     return bool(trim and mmap)
 
 
+def return_freed_memory() -> bool:
+    """Hand the memory that freed tensors left in glibc's heap back to the
+    OS (`malloc_trim`), where `keep_freed_memory` would keep it: for a
+    sleeping engine, whose freed weights and KV cache must really leave
+    the process (large blocks are mapped and return at their free anyway).
+    Returns whether glibc did it; elsewhere it does nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    malloc_trim(0)
+    return True
+
+
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`torch.empty(shape, dtype)` on the CPU whose whole 2 MiB pages are
     huge pages where the OS allows it. The view keeps its over-allocated

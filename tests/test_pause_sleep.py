@@ -1,15 +1,18 @@
-"""Pausing generation with streams in flight (docs/RL.md), over the
+"""Pausing and sleeping (docs/RL.md). Pausing generation with streams in flight, over the
 in-process `AsyncLLM`: "abort" ends them with their tokens so far, "wait"
 lets them finish, "keep" freezes them and they go on after the resume with
 the tokens of an undisturbed run (with `clear_cache` too: their KV is
 recomputed); a weight update while frozen continues each request as a
 fresh engine on the new weights would. Requests that arrive while paused
-wait, then run."""
+wait, then run. Sleep at both levels gives the KV cache's memory back to
+the OS (the process's RSS drops by its size) and wakes to the same greedy
+tokens; weights synced while asleep serve after the wake."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -153,5 +156,79 @@ def test_unknown_mode_is_refused(tiny_model_dir: Path) -> None:
         with pytest.raises(InvalidParameterError, match="mode"):
             await engine.pause_generation(mode="later")
         assert not engine.is_paused()
+
+    _run(tiny_model_dir, body)
+
+
+# ---- sleep and wake ---------------------------------------------------------------
+
+# A KV cache of 16,385 blocks (128 sequences of 2,048 tokens): 4 tensors
+# of 64 MiB, large enough that the drop stands far out of the RSS's noise.
+SLEEPY = dict(max_num_seqs=128, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(scope="module")
+def sleepy(tiny_model_dir: Path) -> Iterator[LLM]:
+    llm = LLM(model=str(tiny_model_dir), **SLEEPY)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_returns_memory_and_wakes_to_the_same_tokens(
+    sleepy: LLM, level: int, undisturbed: list[list[int]]
+) -> None:
+    prompts = PROMPTS + [LATE]
+    assert [list(o.outputs[0].token_ids) for o in sleepy.generate(prompts, GREEDY, use_tqdm=False)] == undisturbed
+    runner = sleepy.llm_engine.engine_core.engine_core.executor.runner  # type: ignore[attr-defined]
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    assert kv_bytes >= 250 << 20
+    awake = _rss()
+    sleepy.sleep(level=level)
+    assert sleepy.is_sleeping()
+    # The KV cache's memory left the process.
+    assert awake - _rss() > 0.9 * kv_bytes
+    assert runner.kv_caches == [] and (runner.model is None) == (level == 2)
+    with pytest.raises(InvalidParameterError, match="asleep"):
+        sleepy.generate(prompts, GREEDY, use_tqdm=False)
+    if level == 2:
+        with pytest.raises(InvalidParameterError, match="weights before the KV cache"):
+            sleepy.wake_up(tags=["kv_cache"])
+        sleepy.wake_up(tags=["weights"])
+        assert sleepy.is_sleeping()
+    sleepy.wake_up(tags=["kv_cache"] if level == 2 else None)
+    assert not sleepy.is_sleeping()
+    assert [list(o.outputs[0].token_ids) for o in sleepy.generate(prompts, GREEDY, use_tqdm=False)] == undisturbed
+
+
+def test_weights_synced_while_asleep_serve_after_the_wake(
+    sleepy: LLM, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Level 2, then the trainer's weights arrive by transfer: the wake
+    keeps them (no reload from the checkpoint)."""
+    trained = trained_weights(tiny_model_dir, seed=9)
+    fresh = LLM(model=str(save_weights(tiny_model_dir, trained, tmp_path / "trained")), **ENGINE)
+    expected = [list(o.outputs[0].token_ids) for o in fresh.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    fresh.shutdown()
+    sleepy.sleep(level=2)
+    sleepy.sync_weights(trained, backend="gloo")
+    sleepy.wake_up()
+    assert [list(o.outputs[0].token_ids) for o in sleepy.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    sleepy.sync_weights(trained_weights(tiny_model_dir, seed=9, scale=0.0))  # back, for any test after
+
+
+def test_async_sleep_holds_requests_until_the_wake(tiny_model_dir: Path, undisturbed: list[list[int]]) -> None:
+    async def body(engine: AsyncLLM) -> None:
+        await engine.sleep(level=1)
+        assert engine.is_sleeping()
+        late = engine.add_request({"prompt_token_ids": LATE}, GREEDY, "late")
+        await engine.wake_up()
+        assert not engine.is_sleeping()
+        assert (await _rest(late, [])) == (undisturbed[-1], "length")
 
     _run(tiny_model_dir, body)

@@ -165,6 +165,8 @@ class AsyncLLM:
         # (mode "keep"): the core schedules nothing, so no step is awaited.
         self._paused = False
         self._frozen = False
+        # Asleep (`sleep`): the core schedules nothing either, until its KV cache wakes.
+        self._asleep = False
         self._held: dict[str, list[EngineCoreRequest]] = {}
         self._stepped: asyncio.Event | None = None
 
@@ -324,7 +326,7 @@ class AsyncLLM:
         return (
             self._core_failure is not None
             or self.engine_core.has_pending_intake()
-            or (not self._frozen and self._num_in_core() > 0)
+            or (not self._frozen and not self._asleep and self._num_in_core() > 0)
         )
 
     def _num_in_core(self) -> int:
@@ -519,6 +521,23 @@ class AsyncLLM:
 
     def is_paused(self) -> bool:
         return self._paused
+
+    async def sleep(self, level: int = 1) -> None:
+        """`LLMEngine.sleep`; requests made meanwhile wait for `wake_up`."""
+        # First: a step awaited from an asleep core would never come.
+        self._asleep = True
+        try:
+            await self._utility("sleep", level)
+        except BaseException:
+            self._asleep = await self._utility("is_sleeping")
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._asleep = await self._utility("wake_up", tags)
+        self._wake()
+
+    def is_sleeping(self) -> bool:
+        return self._asleep
 
     # ---- health and lifecycle -----------------------------------------------------
 

@@ -61,8 +61,10 @@ logger = logging.getLogger(__name__)
 # The methods a client may call between steps (`call_utility`).
 UTILITY_METHODS = frozenset({
     "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine", "start_weight_update",
-    "update_weights", "finish_weight_update", "pause_scheduling", "resume_scheduling",
+    "update_weights", "finish_weight_update", "pause_scheduling", "resume_scheduling", "sleep", "wake_up",
+    "is_sleeping",
 })
+SLEEP_TAGS = ("weights", "kv_cache")
 
 @dataclass
 class _InflightStep:
@@ -124,8 +126,10 @@ class EngineCore:
         # pipeline stages are kept full instead.
         self._can_wait_for_intake = self.max_inflight == 2 and pc.pipeline_parallel_size == 1
         self.request_rank: dict[str, int] = {}
-        # No step is scheduled while paused (`pause_scheduling`); requests wait where they are.
+        # No step is scheduled while paused (`pause_scheduling`) or asleep
+        # (`sleep`: the KV cache is freed); requests wait where they are.
         self.paused = False
+        self.asleep = False
 
     def _make_scheduler(self, rank: int) -> Scheduler:
         pc = self.config.parallel_config
@@ -189,7 +193,7 @@ class EngineCore:
         the workers. (A rank being rebuilt wakes its loop when it is back.)"""
         if any(self.inflight):
             return True
-        if self.paused:
+        if self.paused or self.asleep:
             return False
         if not self.recoveries:
             return bool(self.request_rank)
@@ -250,8 +254,8 @@ class EngineCore:
 
     def _schedule(self, depth: int) -> None:
         """Schedule and submit steps until each rank has `depth` in flight
-        or nothing left to run (nothing while paused)."""
-        if self.paused:
+        or nothing left to run (nothing while paused or asleep)."""
+        if self.paused or self.asleep:
             return
         for rank, scheduler in enumerate(self.schedulers):
             if rank in self.recoveries:
@@ -354,6 +358,34 @@ class EngineCore:
 
     def resume_scheduling(self) -> None:
         self.paused = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Free every worker's KV cache (level 1) and weights too (level 2;
+        docs/RL.md). Running requests are preempted by recompute and the
+        prefix cache forgotten first (the blocks' contents go); nothing is
+        scheduled until the KV cache is awake again."""
+        if level not in (1, 2):
+            raise InvalidParameterError("level", f"must be 1 or 2, got {level!r}")
+        self.asleep = True
+        for scheduler in self.schedulers:
+            scheduler.preempt_running()
+        self.reset_prefix_cache()
+        self.collective_rpc("sleep", (level,))
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back the `tags` ("weights", "kv_cache"; None: both; the KV
+        cache needs the weights awake); returns whether still asleep."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
+        if unknown:
+            raise InvalidParameterError("tags", f"unknown {unknown}; the tags are {', '.join(SLEEP_TAGS)}")
+        self.collective_rpc("wake_up", (tags,))
+        if "kv_cache" in tags:
+            self.asleep = False
+        return self.asleep
+
+    def is_sleeping(self) -> bool:
+        return self.asleep
 
     def take_block_events(self) -> BlockEvents | None:
         """The block events since the previous call (each reported once:

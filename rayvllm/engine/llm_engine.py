@@ -17,7 +17,7 @@ from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.engine.weight_sync import sync_weights
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor
-from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, StepFailedError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
@@ -45,6 +45,7 @@ class LLMEngine:
         # A dead engine (a killed worker or SchedulerActor, a lost node) is
         # replaced and its requests resumed, as the serving engine does.
         self.restarts = RestartPolicy(engine_core, self.output_processor)
+        self._asleep = False
 
     def add_request(
         self,
@@ -58,6 +59,8 @@ class LLMEngine:
     ) -> None:
         """Validate, tokenize and enqueue; `n > 1` fans out into child requests
         that the OutputProcessor gathers back into one RequestOutput."""
+        if self._asleep:
+            raise InvalidParameterError("engine", "the engine is asleep: wake_up() first")
         core_reqs, prompt_text = self.processor.process_with_fanout(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority, lora_request=lora_request
         )
@@ -139,6 +142,22 @@ class LLMEngine:
     def sync_weights(self, weights: Any, backend: str = "ray") -> None:
         """The four phases in one call (engine/weight_sync.py)."""
         sync_weights(self.engine_core, weights, backend)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1; the weights stay in host memory) or the
+        weights too (level 2); memory really goes back to the OS. Nothing
+        generates until `wake_up` brings the KV cache back."""
+        self.engine_core.call_utility("sleep", level)
+        self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the `tags` ("weights", "kv_cache"; None: both); level
+        2's weights come back from the checkpoint, unless a weight update
+        brought new ones meanwhile."""
+        self._asleep = self.engine_core.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self._asleep
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

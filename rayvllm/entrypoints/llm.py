@@ -67,6 +67,15 @@ class LLM:
     def sync_weights(self, weights: Any, backend: str = "ray") -> None:
         self.llm_engine.sync_weights(weights, backend)
 
+    def sleep(self, level: int = 1) -> None:
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

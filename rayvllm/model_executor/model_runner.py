@@ -33,10 +33,11 @@ from rayvllm.distributed.parallel_state import (
 )
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
-from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
+from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory, return_freed_memory
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput
+from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.cuda_graph import CudaGraphRunner, capture_sizes
@@ -114,6 +115,9 @@ class ModelRunner:
         )
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        # Asleep at level 1 on a GPU: the weights wait in host memory.
+        self.weights_on_host = False
         self.cuda_graphs: CudaGraphRunner | None = None
 
     # ---- setup -------------------------------------------------------------------
@@ -153,6 +157,42 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             self.cuda_graphs = None
             self._capture_cuda_graphs()
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (its contents are lost: the scheduler forgot
+        them first) and give its memory back to the OS. Level 1 keeps the
+        weights in host memory (moved there from a GPU; a CPU model is
+        there already); level 2 frees them too (`wake_up` reloads the
+        checkpoint, or a weight update rebuilds the model meanwhile)."""
+        if self.model is not None:
+            for model in self._kv_models():
+                for layer in model.attention_layers():
+                    layer.unbind_kv_cache()
+        self.kv_caches = []
+        self.cuda_graphs = None
+        if level == 2:
+            self.model = None
+        elif self.model is not None and not self.on_cpu:
+            self.model.to("cpu")
+            self.weights_on_host = True
+        if self.on_cpu:
+            return_freed_memory()
+        else:
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        """Bring back what `tags` name ("weights", "kv_cache"); the KV cache
+        needs the weights awake (it is bound to the model's layers)."""
+        if "weights" in tags:
+            if self.model is None:
+                self.model = self._build_model(iterate_weights(Path(self.model_config.model), self.dtype))
+            elif self.weights_on_host:
+                self.model.to(self.device)
+            self.weights_on_host = False
+        if "kv_cache" in tags and not self.kv_caches:
+            if self.model is None or self.weights_on_host:
+                raise InvalidParameterError("tags", "wake the weights before the KV cache (or sync new weights)")
+            self.initialize_kv_cache(self.num_blocks)
 
     def _kv_models(self) -> list[LlamaForCausalLM]:
         """Models whose KV this rank caches in the same blocks: the target,
@@ -200,6 +240,7 @@ class ModelRunner:
         actor's channel or loop thread, the serving step thread), and two
         live teams slow every parallel region (kernels/omp_runtime.py); a
         thread that goes on to step simply makes its team again."""
+        self.num_blocks = num_blocks
         self.kv_caches = self._bind_kv_caches(num_blocks)
         for ext in self.extensions:
             ext.initialize_kv_cache(self.kv_caches)

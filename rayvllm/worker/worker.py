@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.distributed.weight_transfer import DEFAULT_TRANSFER_TIMEOUT_S, WeightUpdateInfo
+from rayvllm.kv_offload.factory import offloads_kv
 from rayvllm.messages.engine_types import ModelRunnerOutput
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.scheduler_output import SchedulerOutput
@@ -171,6 +172,21 @@ class Worker:
         own chunk; a rank whose check failed raised before this)."""
         assert self.runner is not None
         self.runner.reload_weights(self._receiver().finish().items())
+
+    # ---- sleep (engine_core.sleep) --------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        if self.config.lora_config is not None or self.config.speculative_config is not None or offloads_kv(self.config):
+            raise InvalidParameterError(
+                "level", "sleep frees the KV cache and weights that LoRA, speculation and KV offloading hold too; "
+                "not supported with them yet"
+            )
+        assert self.runner is not None
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        assert self.runner is not None
+        self.runner.wake_up(tags)
 
     def _receiver(self) -> WeightReceiver:
         if self.weight_receiver is None:

@@ -302,6 +302,15 @@ class LLMServerImpl:
     def is_paused(self) -> bool:
         return self.engine.is_paused()
 
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     async def generate(
         self,
         prompt: Any,
