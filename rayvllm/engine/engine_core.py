@@ -366,11 +366,12 @@ class EngineCore:
         scheduled until the KV cache is awake again."""
         if level not in (1, 2):
             raise InvalidParameterError("level", f"must be 1 or 2, got {level!r}")
+        # The workers first: one that refuses leaves the engine as it was.
+        self.collective_rpc("sleep", (level,))
         self.asleep = True
         for scheduler in self.schedulers:
             scheduler.preempt_running()
         self.reset_prefix_cache()
-        self.collective_rpc("sleep", (level,))
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back the `tags` ("weights", "kv_cache"; None: both; the KV
