@@ -403,6 +403,30 @@ def test_rl_routes_need_the_key_pause_and_sync_weights_over_gloo(
     assert served() == expected != before
     _http_sync(trained_weights(tiny_model_dir, seed=3, scale=0.0))  # back, for the tests after this one
     assert served() == before
+    # The handle takes an object ref the caller put once (the ray backend).
+    out = subprocess.run(
+        [sys.executable, "-c", SYNC_SCRIPT.format(trained=tmp_path / "trained", original=tiny_model_dir, prompt=PROMPT)],
+        cwd=REPO, env=os.environ | server.join_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert eval(out.stdout.strip().splitlines()[-1]) == (expected, before)  # noqa: S307
+
+
+SYNC_SCRIPT = """
+import ray, torch
+from ray import serve
+from transformers import AutoModelForCausalLM
+from rayvllm import SamplingParams
+ray.init(log_to_driver=False)  # RAY_ADDRESS: the server's cluster
+handle = serve.get_app_handle("default")
+params = SamplingParams(temperature=0, max_tokens=12)
+texts = []
+for path in ("{trained}", "{original}"):
+    weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    handle.sync_weights.remote(ray.put(weights), backend="ray").result()
+    texts.append(handle.generate.remote("{prompt}", params).result().outputs[0].text)
+print(repr(tuple(texts)))
+"""
 
 
 def test_killed_engine_costs_no_request(server: ServeProcess, offline: LLM) -> None:
