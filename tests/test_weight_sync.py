@@ -127,3 +127,21 @@ def test_nccl_needs_cuda(local_llm: LLM, trained: dict[str, torch.Tensor]) -> No
         pytest.skip("this machine has CUDA")
     with pytest.raises(InvalidParameterError, match="nccl needs CUDA"):
         local_llm.sync_weights(trained, backend="nccl")
+
+
+def test_a_tied_models_state_dict_syncs(tmp_path: Path) -> None:
+    """transformers' state dict of a tied model holds `lm_head.weight`,
+    which its checkpoint does not: accepted, and the embedding serves as
+    the head."""
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
+
+    tied = build_random_model(tmp_path / "tied", RandomModelSpec(tie_word_embeddings=True, seed=4))
+    trained = trained_weights(tied, seed=2)
+    assert "lm_head.weight" in trained
+    fresh = LLM(model=str(save_weights(tied, trained, tmp_path / "trained")), **ENGINE)
+    expected = greedy(fresh)
+    fresh.shutdown()
+    llm = LLM(model=str(tied), **ENGINE)
+    llm.sync_weights(trained, backend="gloo")
+    assert greedy(llm) == expected
+    llm.shutdown()

@@ -37,8 +37,14 @@ CheckpointSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class WeightReceiver:
-    def __init__(self, spec: CheckpointSpec, dtype: torch.dtype) -> None:
-        self.expected = {name: shape for name, (shape, _) in spec.items() if not name.endswith(_DERIVED)}
+    """`spec`: the checkpoint's tensors, each required in an update;
+    `optional`: more that an update may carry (checked, then left to the
+    loader: a tied model's `lm_head.weight`, which a trainer's state dict
+    holds and the checkpoint does not)."""
+
+    def __init__(self, spec: CheckpointSpec, dtype: torch.dtype, optional: CheckpointSpec | None = None) -> None:
+        self.required = {name: shape for name, (shape, _) in spec.items() if not name.endswith(_DERIVED)}
+        self.expected = {**{name: shape for name, (shape, _) in (optional or {}).items()}, **self.required}
         self.dtype = dtype
         self.backend: str | None = None
         self.group: TransferGroup | None = None
@@ -104,7 +110,7 @@ class WeightReceiver:
         staged, self.staged = self.staged, None
         if staged is None:
             raise InvalidParameterError("finish_weight_update", "no update was started")
-        missing = sorted(set(self.expected) - set(staged))
+        missing = sorted(set(self.required) - set(staged))
         if missing:
             raise InvalidParameterError(
                 "weights", f"the update lacks {len(missing)} of the model's weights (e.g. {missing[:3]}); "

@@ -158,7 +158,10 @@ class Worker:
         assert self.runner is not None
         if self.weight_receiver is None:
             spec = checkpoint_spec(self.config.model_config.model)
-            self.weight_receiver = WeightReceiver(spec, self.runner.dtype)
+            tied = self.config.model_config.hf_config.get("tie_word_embeddings", False)
+            embedding = spec.get("model.embed_tokens.weight")
+            optional = {"lm_head.weight": embedding} if tied and embedding and "lm_head.weight" not in spec else {}
+            self.weight_receiver = WeightReceiver(spec, self.runner.dtype, optional)
         self.weight_receiver.init(backend, rank_offset + self.rank, master_address, master_port, world_size, timeout_s)
 
     def start_weight_update(self) -> None:
