@@ -10,10 +10,12 @@ a thread.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 
+from rayvllm.actors.ray_executor import get_unwrapped
 from rayvllm.actors.placement import remove_groups_made_by, remove_worker_placement_group, scheduler_actor_options
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
@@ -89,6 +91,21 @@ class RayEngineCoreClient(EngineCoreClient):
         if actor is None:
             raise EngineDeadError("the scheduler actor is being replaced")
         ray.get(actor.check_health.remote())
+
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # A Ray call, not the connection: object refs in the arguments
+        # travel in band, as Ray tracks them (pickled on a socket, a ref
+        # would pin its object for the life of its owner).
+        actor = self.actor
+        if actor is None:
+            raise EngineDeadError("the scheduler actor is being replaced")
+        return get_unwrapped(actor.call_utility.remote(method, args, kwargs))
+
+    def share_weights(self, weights: Any) -> Any:
+        return ray.put(weights) if isinstance(weights, Mapping) else weights
+
+    def transfer_address(self) -> str:
+        return ray.util.get_node_ip_address()
 
     def kill(self) -> None:
         actor = self.actor

@@ -13,11 +13,12 @@ output. Steps skip Ray entirely; setup and teardown go through it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from rayvllm.actors.placement import (
     RankPlacement,
@@ -195,6 +196,13 @@ class RayExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
 
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        # Actor calls, not the step channels: object refs in the arguments
+        # travel in band (Ray tracks them), and a rank's error keeps its type.
+        return get_unwrapped([w.call.remote("run_method", method, args, kwargs or {}) for w in self.workers])
+
     def check_health(self) -> None:
         self._on_all("health check", [w.node.remote() for w in self.workers], 30)
 
@@ -217,3 +225,16 @@ class RayExecutor(Executor):
         if self.pg is not None:
             remove_worker_placement_group(self.pg)
             self.pg = None
+
+
+def get_unwrapped(refs: Any) -> Any:
+    """`ray.get`, raising a remote error as the exception its task raised
+    (its type and message, e.g. a 400's `InvalidParameterError`), not
+    wrapped in Ray's traceback."""
+    try:
+        return ray.get(refs)
+    except RayTaskError as e:
+        cause = e.cause
+        if isinstance(cause, BaseException):
+            raise cause from None
+        raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from multiprocessing.connection import Listener
+from typing import Any
 
 import ray
 import torch
@@ -35,7 +36,9 @@ def _set_threads(config: EngineConfig | None) -> None:
     torch.set_num_threads(cpu_threads(1) if hosts_model and config.device == "cpu" else 1)
 
 
-@ray.remote(num_cpus=0)
+# Utility calls wait for the loop (a weight update may take long) on a
+# thread of their own, so health checks and shutdown still answer meanwhile.
+@ray.remote(num_cpus=0, concurrency_groups={"utility": 1})
 class SchedulerActor:
     """Construction is cheap; `start` builds the core so its errors
     (placement, preflight, sizing) reach the caller with their own types.
@@ -48,6 +51,8 @@ class SchedulerActor:
         self.core: EngineCore | None = None
         self._loop_thread: threading.Thread | None = None
         self._listener: Listener | None = None
+        self._loop: EngineCoreLoop | None = None
+        self._loop_made = threading.Event()
 
     def start(self, config: EngineConfig, reserved_pg: object = None) -> int:
         """Start every worker group (in `reserved_pg` when Serve reserved
@@ -80,7 +85,17 @@ class SchedulerActor:
             return  # shut down before the client came
         finally:
             self._listener.close()
-        EngineCoreLoop(self.core, SocketConnection(conn)).run()
+        self._loop = EngineCoreLoop(self.core, SocketConnection(conn))
+        self._loop_made.set()
+        self._loop.run()
+
+    @ray.method(concurrency_group="utility")
+    def call_utility(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The core's utility `method`, run by its loop between steps
+        (core_loop.py); waits for its result."""
+        self._loop_made.wait()
+        assert self._loop is not None
+        return self._loop.intake.call_utility(method, args, kwargs).result()
 
     def check_health(self) -> None:
         assert self.core is not None

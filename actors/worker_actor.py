@@ -10,7 +10,7 @@ from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import ChannelServer
 from rayvllm.messages.engine_types import ModelRunnerOutput
 from rayvllm.messages.scheduler_output import SchedulerOutput
-from rayvllm.worker.worker import Worker, free_port
+from rayvllm.worker.worker import create_worker, free_port
 
 
 @ray.remote
@@ -19,10 +19,12 @@ class WorkerActor:
     (the default actor concurrency of 1): every rank sees steps in order."""
 
     def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int, dp_rank: int = 0) -> None:
-        self.worker = Worker(config, rank, ranks_on_node)
-        self.channel: ChannelServer[SchedulerOutput, ModelRunnerOutput] | None = None
+        # First: `__repr__` names the actor in the error if the worker fails to build.
         self.rank = rank
         self.dp_rank = dp_rank if config.parallel_config.data_parallel_size > 1 else None
+        self.channel: ChannelServer[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.worker = create_worker(config, rank, ranks_on_node)
+        self.worker.set_threads()
 
     def __repr__(self) -> str:
         # Ray shows this as the actor's name in `ray list actors`, the
@@ -38,7 +40,9 @@ class WorkerActor:
         return free_port()
 
     def call(self, method: str, *args: Any) -> Any:
-        """Setup and teardown calls (`init_distributed`, `preflight`, `load_model`, ...)."""
+        """Setup and teardown calls (`init_distributed`, `preflight`, `load_model`, ...)
+        and `collective_rpc`'s (`run_method`). They run on the actor's thread,
+        steps on the channel's: the engine loop sends none while one runs."""
         return getattr(self.worker, method)(*args)
 
     def open_channel(self) -> tuple[tuple[str, int], bytes]:

@@ -45,6 +45,19 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20
 
 
+def _glibc(name: str, argtypes: list[type], restype: type = ctypes.c_int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """One of glibc's malloc functions, or None where there is none (not Linux, another libc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for reuse instead of handing it
     back to the OS, so a step's large activations do not page-fault into
@@ -53,17 +66,25 @@ def keep_freed_memory() -> bool:
     the heap is never trimmed: the process keeps its peak heap. Measured on
     the 125M offline round, +4% (docs/BENCHMARKS.md, issue 14). Returns
     whether glibc took both settings; elsewhere it does nothing."""
-    if not sys.platform.startswith("linux"):
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     trim = mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     mmap = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
     return bool(trim and mmap)
+
+
+def return_freed_memory() -> bool:
+    """Hand the memory that freed tensors left in glibc's heap back to the
+    OS (`malloc_trim`), where `keep_freed_memory` would keep it: for a
+    sleeping engine, whose freed weights and KV cache must really leave
+    the process (large blocks are mapped and return at their free anyway).
+    Returns whether glibc did it; elsewhere it does nothing."""
+    malloc_trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True
 
 
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:

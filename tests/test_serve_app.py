@@ -349,6 +349,86 @@ def test_concurrent_clients_all_match(client: "openai.OpenAI", offline: LLM) -> 
     assert texts == [r.outputs[0].text for r in refs]
 
 
+RL_ROUTES = ["/reset_prefix_cache", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+             "/finish_weight_update", "/pause", "/resume"]
+
+
+def _http_sync(weights: dict[str, Any]) -> None:
+    """A trainer in this process (rank 0 of a gloo group on a free port)
+    drives the replica's engine through the four weight-transfer routes."""
+    from rayvllm.distributed.weight_transfer import TransferGroup, WeightUpdateInfo
+    from rayvllm.worker.worker import free_port
+
+    port = free_port()
+    init = {"init_info": {"backend": "gloo", "master_address": "127.0.0.1", "master_port": port, "world_size": 2}}
+    info = WeightUpdateInfo.of(weights)
+    update = {"update_info": {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(requests.post, f"{BASE_URL}/init_weight_transfer_engine", json=init, headers=AUTH, timeout=120)
+        group = TransferGroup("gloo", "127.0.0.1", port, 0, 2)
+        assert joined.result().status_code == 200
+        assert requests.post(f"{BASE_URL}/start_weight_update", headers=AUTH, timeout=60).status_code == 200
+        received = pool.submit(requests.post, f"{BASE_URL}/update_weights", json=update, headers=AUTH, timeout=120)
+        group.send(weights)
+        assert received.result().status_code == 200
+    assert requests.post(f"{BASE_URL}/finish_weight_update", headers=AUTH, timeout=120).status_code == 200
+
+
+def test_rl_routes_need_the_key_pause_and_sync_weights_over_gloo(
+    server: ServeProcess, client: "openai.OpenAI", tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from rl_oracle import save_weights, trained_weights
+
+    for route in RL_ROUTES:
+        assert requests.post(f"{BASE_URL}{route}", json={}, timeout=30).status_code == 401
+    assert requests.get(f"{BASE_URL}/is_paused", timeout=30).status_code == 401
+    for route, body, paused in (("/pause", {"mode": "keep"}, True), ("/resume", None, False)):
+        assert requests.post(f"{BASE_URL}{route}", json=body, headers=AUTH, timeout=30).status_code == 200
+        assert requests.get(f"{BASE_URL}/is_paused", headers=AUTH, timeout=30).json() == {"is_paused": paused}
+    r = requests.post(f"{BASE_URL}/reset_prefix_cache", headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    bad = requests.post(f"{BASE_URL}/init_weight_transfer_engine", json={"init_info": {"backend": "ray"}},
+                        headers=AUTH, timeout=30)
+    assert bad.status_code == 400
+    trained = trained_weights(tiny_model_dir, seed=3)
+    fresh = LLM(model=str(save_weights(tiny_model_dir, trained, tmp_path / "trained")), **ENGINE)
+    expected = fresh.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    fresh.shutdown()
+
+    def served() -> str:
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+
+    before = served()
+    _http_sync(trained)
+    assert served() == expected != before
+    _http_sync(trained_weights(tiny_model_dir, seed=3, scale=0.0))  # back, for the tests after this one
+    assert served() == before
+    # The handle takes an object ref the caller put once (the ray backend).
+    out = subprocess.run(
+        [sys.executable, "-c", SYNC_SCRIPT.format(trained=tmp_path / "trained", original=tiny_model_dir, prompt=PROMPT)],
+        cwd=REPO, env=os.environ | server.join_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert eval(out.stdout.strip().splitlines()[-1]) == (expected, before)  # noqa: S307
+
+
+SYNC_SCRIPT = """
+import ray, torch
+from ray import serve
+from transformers import AutoModelForCausalLM
+from rayvllm import SamplingParams
+ray.init(log_to_driver=False)  # RAY_ADDRESS: the server's cluster
+handle = serve.get_app_handle("default")
+params = SamplingParams(temperature=0, max_tokens=12)
+texts = []
+for path in ("{trained}", "{original}"):
+    weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    handle.sync_weights.remote(ray.put(weights), backend="ray").result()
+    texts.append(handle.generate.remote("{prompt}", params).result().outputs[0].text)
+print(repr(tuple(texts)))
+"""
+
+
 def test_killed_engine_costs_no_request(server: ServeProcess, offline: LLM) -> None:
     """It kills the process that runs the model (at TP=PP=DP=1 the
     SchedulerActor hosts the one worker) while a stream is in flight. The

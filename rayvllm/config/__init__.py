@@ -307,6 +307,10 @@ class ParallelConfig:
     distributed_timeout_s: float = config_field(
         "seconds for a worker group's process group to form and pass its preflight", 60.0
     )
+    worker_extension_cls: str | None = config_field(
+        "a class (module:Class or module.Class) whose methods every worker gains, for collective_rpc "
+        "(vLLM's name); it is imported where the workers run; unset: none", None,
+    )
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -320,6 +324,10 @@ class ParallelConfig:
         for name in ("num_cpus_per_worker", "placement_group_timeout_s", "distributed_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.worker_extension_cls is not None and not any(c in self.worker_extension_cls for c in ".:"):
+            raise InvalidParameterError(
+                "worker_extension_cls", f"must be module:Class or module.Class, got {self.worker_extension_cls!r}"
+            )
         if self.distributed_executor_backend not in (None, "uni", "ray"):
             raise InvalidParameterError(
                 "distributed_executor_backend",

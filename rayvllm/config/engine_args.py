@@ -162,6 +162,7 @@ class EngineArgs(
             num_cpus_per_worker=self.num_cpus_per_worker,
             placement_group_timeout_s=self.placement_group_timeout_s,
             distributed_timeout_s=self.distributed_timeout_s,
+            worker_extension_cls=self.worker_extension_cls,
         )
 
     def _resolve_executor_backend(self) -> str | None:

@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.replica_router import ReplicaLoad, encode_report
+from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
+from rayvllm.engine.weight_sync import sync_weights
 from rayvllm.frontend.metrics import EngineMetrics
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor, PromptType
@@ -48,6 +50,9 @@ logger = logging.getLogger(__name__)
 STEP_TIMEOUT_S = 60.0
 # Scheduler stats cost a round trip on the Ray path; gauges need no more.
 STATS_INTERVAL_S = 1.0
+
+# `pause_generation`'s modes (vLLM's).
+PAUSE_MODES = ("abort", "wait", "keep")
 
 # What a request's stream yields: generation outputs, or a pooling request's one output.
 EngineOutput = RequestOutput | PoolingRequestOutput
@@ -156,6 +161,15 @@ class AsyncLLM:
         self._core_failure: EngineDeadError | None = None
         self.dead_error: BaseException | None = None
         self._closed = False
+        # Paused (`pause_generation`): new requests are admitted but held
+        # here (user id -> its engine-core requests) until resumed; frozen
+        # (mode "keep"): the core schedules nothing, so no step is awaited.
+        self._paused = False
+        self._frozen = False
+        # Asleep (`sleep`): the core schedules nothing either, until its KV cache wakes.
+        self._asleep = False
+        self._held: dict[str, list[EngineCoreRequest]] = {}
+        self._stepped: asyncio.Event | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -211,6 +225,9 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._unprefilled[request_id] = core_reqs
         self._unprefilled_tokens += prompt_tokens
+        if self._paused:
+            self._held[request_id] = core_reqs
+            return RequestStream(self, request_id, queue, output_kind)
         try:
             # While the core is replaced the client holds it for the new one.
             self.engine_core.add_requests(core_reqs)
@@ -279,6 +296,7 @@ class AsyncLLM:
         self._abort_now(request_id, notify=True)
 
     def _abort_now(self, request_id: str, notify: bool = False) -> None:
+        self._held.pop(request_id, None)
         ids = self.output_processor.child_request_ids([request_id])
         if not ids:
             return
@@ -302,6 +320,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine was shut down")
         if self._loop_task is None:
             self._wakeup = asyncio.Event()
+            self._stepped = asyncio.Event()
             loop = asyncio.get_running_loop()
             self._loop_task = loop.create_task(self._run(), name="rayvllm-engine-loop")
             self._watchdog_task = loop.create_task(self._watch_steps(), name="rayvllm-step-watchdog")
@@ -311,11 +330,18 @@ class AsyncLLM:
             self._wakeup.set()
 
     def _has_work(self) -> bool:
+        """Something the core will push for: a held request or a frozen
+        core's never would, and a step awaited for them would hang."""
         return (
             self._core_failure is not None
             or self.engine_core.has_pending_intake()
-            or self.output_processor.has_unfinished_requests()
+            or (not self._frozen and not self._asleep and self._num_in_core() > 0)
         )
+
+    def _num_in_core(self) -> int:
+        """Unfinished engine-core requests that the core has (not held here)."""
+        held = sum(len(reqs) for reqs in self._held.values())
+        return self.output_processor.get_num_unfinished_requests() - held
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -345,6 +371,8 @@ class AsyncLLM:
                 self._step_started = None
                 self.restarts.step_done()
                 self._process(core_outputs)
+                assert self._stepped is not None
+                self._stepped.set()
                 if stats is not None:
                     self.metrics.record_scheduler_stats(stats)
         except asyncio.CancelledError:
@@ -428,6 +456,97 @@ class AsyncLLM:
         queue = self._queues.get(out.request_id)
         if notify and queue is not None:
             queue.put_nowait(out)
+
+    # ---- the control plane (docs/RL.md; `LLMEngine` documents each call) ----------
+
+    async def _utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A core utility, waited for on a thread (the core runs it between steps)."""
+        if self.dead_error is not None or self._closed:
+            raise EngineDeadError("the engine is not running")
+        return await asyncio.to_thread(self.engine_core.call_utility, method, *args, **kwargs)
+
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return await self._utility("collective_rpc", method, args, kwargs)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._utility("reset_prefix_cache")
+
+    async def init_weight_transfer_engine(self, backend: str, **init_info: Any) -> None:
+        await self._utility("init_weight_transfer_engine", backend, **init_info)
+
+    async def start_weight_update(self) -> None:
+        await self._utility("start_weight_update")
+
+    async def update_weights(
+        self, update_info: WeightUpdateInfo | dict[str, Any] | None = None, weights: Any = None
+    ) -> None:
+        shared = await asyncio.to_thread(self.engine_core.share_weights, weights)
+        await self._utility("update_weights", update_info, shared)
+
+    async def finish_weight_update(self) -> None:
+        await self._utility("finish_weight_update")
+
+    async def sync_weights(self, weights: Any, backend: str = "ray") -> None:
+        await asyncio.to_thread(sync_weights, self.engine_core, weights, backend)
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Stop generating; requests that arrive from now on are admitted
+        and wait until `resume_generation`. `mode`: "abort" ends the
+        requests in flight with their tokens so far (finish_reason
+        "abort"); "wait" lets them finish first; "keep" freezes them where
+        they are, to go on after the resume (with `clear_cache`, their KV is
+        dropped and recomputed then: under new weights, after an update).
+        `clear_cache` also forgets the prefix cache."""
+        if mode not in PAUSE_MODES:
+            raise InvalidParameterError("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self._ensure_running()
+        self._paused = True
+        if mode == "abort":
+            for request_id in [rid for rid in self._queues if rid not in self._held]:
+                self._abort_now(request_id, notify=True)
+        elif mode == "wait":
+            assert self._stepped is not None
+            while self._num_in_core() > 0:
+                self._stepped.clear()
+                await self._stepped.wait()
+        else:
+            self._frozen = True
+            await self._utility("pause_scheduling", clear_cache)
+        if clear_cache and mode != "keep":
+            await self._utility("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        """Go on: frozen requests continue, held ones reach the engine in arrival order."""
+        if self._frozen:
+            await self._utility("resume_scheduling")
+            self._frozen = False
+        self._paused = False
+        held, self._held = self._held, {}
+        for core_reqs in held.values():
+            self.engine_core.add_requests(core_reqs)
+        self._wake()
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    async def sleep(self, level: int = 1) -> None:
+        """`LLMEngine.sleep`; requests made meanwhile wait for `wake_up`."""
+        # First: a step awaited from an asleep core would never come.
+        self._asleep = True
+        try:
+            await self._utility("sleep", level)
+        except BaseException:
+            self._asleep = await self._utility("is_sleeping")
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._asleep = await self._utility("wake_up", tags)
+        self._wake()
+
+    def is_sleeping(self) -> bool:
+        return self._asleep
 
     # ---- health and lifecycle -----------------------------------------------------
 

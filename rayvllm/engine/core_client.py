@@ -22,6 +22,7 @@ import dataclasses
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -88,6 +89,27 @@ class EngineCoreClient(ABC):
         """End a hung core at once, from any thread: a `step` waiting on it
         raises `EngineDeadError`. (A core on a thread of this process cannot
         be ended under its own step; there this does nothing.)"""
+
+    # The control plane (docs/RL.md); a kind of core without it (a test's
+    # scripted loop) leaves these to raise.
+
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the core's utility `method` (`EngineCore.call_utility`) once
+        no step is in flight, and return its result or raise its error;
+        blocks until then. Any thread but the one that steps (the offline
+        engine's own loop turns on the calling thread until it is done)."""
+        raise NotImplementedError(f"{type(self).__name__} has no control plane")
+
+    def share_weights(self, weights: Any) -> Any:
+        """Weights (a dict of tensors, or a Ray object ref to one) as the
+        core's workers can fetch them: as they are for a core in this
+        process; a dict put in the object store once for a core on Ray."""
+        raise NotImplementedError(f"{type(self).__name__} has no control plane")
+
+    def transfer_address(self) -> str:
+        """The address at which the core's workers reach this process (to
+        join a weight-transfer group it hosts)."""
+        raise NotImplementedError(f"{type(self).__name__} has no control plane")
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -273,14 +295,16 @@ class InprocClient(EngineCoreClient):
         self.engine_core: EngineCore | None = None
         self._loop_thread: threading.Thread | None = None
         self._inline_loop: EngineCoreLoop | None = None
+        self._loop: EngineCoreLoop | None = None
         self._start()
 
     def _launch(self) -> CoreConnection:
         core = self.engine_core = EngineCore(self.config, self.executor_factory)
         client_end, loop_end = local_pipe()
+        loop = self._loop = EngineCoreLoop(core, loop_end)
         if not self.threaded:
-            self._inline_loop = EngineCoreLoop(core, loop_end)
-            self._inline_loop.open()
+            self._inline_loop = loop
+            loop.open()
             return client_end
         # torch's thread count is per thread: the loop runs the forwards
         # with this thread's.
@@ -288,7 +312,7 @@ class InprocClient(EngineCoreClient):
 
         def run() -> None:
             torch.set_num_threads(num_threads)
-            EngineCoreLoop(core, loop_end).run()
+            loop.run()
 
         self._loop_thread = threading.Thread(target=run, name="rayvllm-engine-loop", daemon=True)
         self._loop_thread.start()
@@ -309,6 +333,7 @@ class InprocClient(EngineCoreClient):
             self._loop_thread.join()
             self._loop_thread = None
         self._inline_loop = None
+        self._loop = None
         if self.engine_core is not None:
             self.engine_core.shutdown()
             self.engine_core = None
@@ -321,3 +346,19 @@ class InprocClient(EngineCoreClient):
 
     def kill(self) -> None:
         pass  # the step runs on a thread of this process; nothing can end it
+
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        loop = self._loop
+        if loop is None:
+            raise EngineDeadError("the engine core was shut down")
+        future = loop.intake.call_utility(method, args, kwargs)
+        if self._inline_loop is not None:
+            while not future.done() and not loop.intake.closed:
+                loop.run_once()
+        return future.result()
+
+    def share_weights(self, weights: Any) -> Any:
+        return weights  # the workers are in this process
+
+    def transfer_address(self) -> str:
+        return "127.0.0.1"

@@ -10,6 +10,13 @@ inputs, steps the core while it has work and pushes after every step, so
 the next step is already running while the client turns the last one into
 text; with nothing to do it blocks on the connection.
 
+Utility calls (the control plane: `collective_rpc`, weight updates, pause,
+sleep) do not come on the connection: the client puts them in the intake
+(`intake.call_utility`, from its own thread, or from a Ray call on the
+SchedulerActor) and waits for their future. When one is next, the loop
+takes back every step in flight (pushing their outputs), runs it on this
+thread, and pushes once more, so a client blocked in `step` wakes.
+
 Ray-free: it is handed a connected `CoreConnection` (local_pipe.py).
 """
 
@@ -23,7 +30,7 @@ from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.local_pipe import CoreConnection
 from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreInput, EngineCoreOutputs, SchedulerStats
-from rayvllm.messages.errors import StepFailedError
+from rayvllm.messages.errors import EngineDeadError, StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +59,14 @@ class EngineCoreLoop:
                 if not self._has_work():
                     if not self.intake.wait_for_input():
                         break
-                self._step()
+                self._turn()
         except (EOFError, OSError):
             pass  # the client is gone; nobody is left to tell
         except BaseException as e:  # noqa: BLE001 - the client must hear why
             self._fail(e)
         finally:
             self.conn.close()
+            self.intake.close(EngineDeadError("the engine loop ended"))
 
     def open(self) -> None:
         """The first push: the core's stats before any step."""
@@ -73,15 +81,27 @@ class EngineCoreLoop:
             while self.conn.poll():
                 self._take(self.conn.recv())
             if self._has_work():
-                self._step()
+                self._turn()
         except (EOFError, OSError):
             self.conn.close()
+            self.intake.close(EngineDeadError("the engine loop ended"))
         except BaseException as e:  # noqa: BLE001 - the client must hear why
             self._fail(e)
             self.conn.close()
+            self.intake.close(EngineDeadError(f"the engine loop failed: {e!r}"))
 
     def _has_work(self) -> bool:
         return self.core.has_work() or self.intake.has_pending_intake()
+
+    def _turn(self) -> None:
+        """A step, or the utility call that is next once no step is in flight."""
+        if not self.intake.utility_next():
+            self._step()
+            return
+        if self.core.has_inflight():
+            self._push(EngineCoreOutputs(self.core.finish_inflight(), self._stats(), self.intake.applied))
+        self.intake.run_utility(self.core)
+        self._push(EngineCoreOutputs([], self._stats(), self.intake.applied))
 
     def _step(self) -> None:
         outputs = self.core.step(self.intake)

@@ -32,8 +32,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from typing import Any
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.dp_router import DPRouter, RankLoad
@@ -41,6 +43,7 @@ from rayvllm.core.block_events import BlockEventLog, ListenerFanout
 from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
+from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.rank_recovery import RankRecovery
 from rayvllm.engine.restart_policy import RestartLimits
@@ -48,12 +51,20 @@ from rayvllm.executor.base import Executor, ExecutorFactory, PendingOutput
 from rayvllm.kv_offload.factory import create_kv_tier
 from rayvllm.lora.slots import LoRASlots
 from rayvllm.messages.engine_types import BlockEvents, EngineCoreOutput, ModelRunnerOutput, SchedulerStats
-from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, StepFailedError
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.spec_decode.eligibility import can_speculate
 
 logger = logging.getLogger(__name__)
+
+# The methods a client may call between steps (`call_utility`).
+UTILITY_METHODS = frozenset({
+    "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine", "start_weight_update",
+    "update_weights", "finish_weight_update", "pause_scheduling", "resume_scheduling", "sleep", "wake_up",
+    "is_sleeping",
+})
+SLEEP_TAGS = ("weights", "kv_cache")
 
 @dataclass
 class _InflightStep:
@@ -115,6 +126,10 @@ class EngineCore:
         # pipeline stages are kept full instead.
         self._can_wait_for_intake = self.max_inflight == 2 and pc.pipeline_parallel_size == 1
         self.request_rank: dict[str, int] = {}
+        # No step is scheduled while paused (`pause_scheduling`) or asleep
+        # (`sleep`: the KV cache is freed); requests wait where they are.
+        self.paused = False
+        self.asleep = False
 
     def _make_scheduler(self, rank: int) -> Scheduler:
         pc = self.config.parallel_config
@@ -178,6 +193,8 @@ class EngineCore:
         the workers. (A rank being rebuilt wakes its loop when it is back.)"""
         if any(self.inflight):
             return True
+        if self.paused or self.asleep:
+            return False
         if not self.recoveries:
             return bool(self.request_rank)
         return any(rank not in self.recoveries for rank in self.request_rank.values())
@@ -202,12 +219,26 @@ class EngineCore:
                 intake.drain_into(self)
             self._schedule(self.max_inflight)
             finished = self._take_finished()
+        return self._update(finished)
+
+    def _update(self, finished: list[tuple[int, _InflightStep, ModelRunnerOutput]]) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         for rank, step, result in finished:
             outputs += self.schedulers[rank].update_from_output(step.scheduler_output, result)
         for out in outputs:
             if out.finish_reason is not None:
                 self.request_rank.pop(out.request_id, None)
+        return outputs
+
+    def has_inflight(self) -> bool:
+        return any(self.inflight)
+
+    def finish_inflight(self) -> list[EngineCoreOutput]:
+        """Take back every step on the workers and schedule none: the
+        workers are idle after it (the loop runs a utility call then)."""
+        outputs: list[EngineCoreOutput] = []
+        while any(self.inflight):
+            outputs += self._update(self._take_finished())
         return outputs
 
     def _just_in_time(self, intake: RequestIntake) -> list[tuple[int, _InflightStep, ModelRunnerOutput]]:
@@ -223,7 +254,9 @@ class EngineCore:
 
     def _schedule(self, depth: int) -> None:
         """Schedule and submit steps until each rank has `depth` in flight
-        or nothing left to run."""
+        or nothing left to run (nothing while paused or asleep)."""
+        if self.paused or self.asleep:
+            return
         for rank, scheduler in enumerate(self.schedulers):
             if rank in self.recoveries:
                 continue
@@ -262,6 +295,98 @@ class EngineCore:
                 raise StepFailedError(f"a step failed on DP rank {rank}: {e!r}", culprits) from e
             taken.append((rank, step, result))
         return taken
+
+    # ---- the control plane (utility calls: the loop runs them with no step in flight) --
+
+    def call_utility(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if method not in UTILITY_METHODS:
+            raise InvalidParameterError("method", f"{method!r} is not a utility of the engine core")
+        return getattr(self, method)(*args, **kwargs)
+
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """`method` on every worker (`Worker.run_method`); the results by DP
+        rank, then worker rank."""
+        return self._on_all_ranks(lambda dp_rank, executor: executor.collective_rpc(method, args, kwargs))
+
+    def _on_all_ranks(self, call: Callable[[int, Executor], list[Any]]) -> list[Any]:
+        """`call` for every DP rank's group, at the same time: a weight
+        transfer group forms only once every rank has joined."""
+        if len(self.executors) == 1:
+            return call(0, self.executors[0])
+        with ThreadPoolExecutor(len(self.executors)) as pool:
+            per_rank = list(pool.map(call, range(len(self.executors)), self.executors))
+        return [result for results in per_rank for result in results]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every rank's cached prefixes; False where a rank still has
+        blocks owned by requests (nothing is dropped on that rank)."""
+        return all([s.kv_cache_manager.reset_prefix_cache() for s in self.schedulers])
+
+    def init_weight_transfer_engine(self, backend: str, rank_offset: int = 1, **init_info: Any) -> None:
+        """Every worker takes rank `rank_offset` + its place among all the
+        engine's workers (DP rank major) in the trainer's group."""
+        world = self.config.parallel_config.world_size
+        self._on_all_ranks(lambda dp_rank, executor: executor.collective_rpc(
+            "init_weight_transfer_engine", (backend, rank_offset + dp_rank * world), init_info
+        ))
+
+    def start_weight_update(self) -> None:
+        self.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: WeightUpdateInfo | dict[str, Any] | None = None, weights: Any = None) -> None:
+        info = WeightUpdateInfo(**update_info) if isinstance(update_info, dict) else update_info
+        self.collective_rpc("update_weights", (info, weights))
+
+    def finish_weight_update(self) -> None:
+        """Rebuild every worker's model from the staged update, then forget
+        the prefix cache (its blocks hold the old weights' KV)."""
+        self.collective_rpc("finish_weight_update")
+        self.reset_prefix_cache()
+
+    def pause_scheduling(self, clear_cache: bool = False) -> None:
+        """Freeze every request where it is (`pause_generation(mode="keep")`).
+        `clear_cache`: preempt the running ones too, so their KV is
+        recomputed when they go on (under the weights of that time), and
+        forget the prefix cache."""
+        self.paused = True
+        if clear_cache:
+            for scheduler in self.schedulers:
+                scheduler.preempt_running()
+            self.reset_prefix_cache()
+
+    def resume_scheduling(self) -> None:
+        self.paused = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Free every worker's KV cache (level 1) and weights too (level 2;
+        docs/RL.md). Running requests are preempted by recompute and the
+        prefix cache forgotten first (the blocks' contents go); nothing is
+        scheduled until the KV cache is awake again."""
+        if level not in (1, 2):
+            raise InvalidParameterError("level", f"must be 1 or 2, got {level!r}")
+        # The workers first: one that refuses leaves the engine as it was.
+        self.collective_rpc("sleep", (level,))
+        self.asleep = True
+        for scheduler in self.schedulers:
+            scheduler.preempt_running()
+        self.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back the `tags` ("weights", "kv_cache"; None: both; the KV
+        cache needs the weights awake); returns whether still asleep."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
+        if unknown:
+            raise InvalidParameterError("tags", f"unknown {unknown}; the tags are {', '.join(SLEEP_TAGS)}")
+        self.collective_rpc("wake_up", (tags,))
+        if "kv_cache" in tags:
+            self.asleep = False
+        return self.asleep
+
+    def is_sleeping(self) -> bool:
+        return self.asleep
 
     def take_block_events(self) -> BlockEvents | None:
         """The block events since the previous call (each reported once:

@@ -1,4 +1,4 @@
-"""Adds and aborts on their way into an engine core, from any thread.
+"""Adds, aborts and utility calls on their way into an engine core, from any thread.
 
 The engine loop (core_loop.py, on the SchedulerActor or on a thread of
 the client's process) has its connection's reader thread put every input
@@ -6,16 +6,25 @@ here the moment it arrives, and the core takes them right before it
 schedules (`EngineCore.step`), so a request that arrives during a forward
 makes the very next step.
 
+A utility call (`call_utility`: a control-plane method of the core, such
+as `collective_rpc` or a weight update) waits in the same queue; the core
+takes no input past it, and the loop runs it once no step is in flight
+(core_loop.py), then sets its future.
+
 Invariants: inputs are applied in the order they were put, so an abort
-never overtakes the add it names; `applied` counts every input applied so
-far (the loop reports it to its client with each push).
+never overtakes the add it names; `applied` counts every add and abort
+applied so far (the loop reports it to its client with each push);
+utility calls are not counted, since they do not travel on the client's
+connection.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Protocol
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from rayvllm.messages.engine_types import AbortRequests, AddRequests, EngineCoreInput
 from rayvllm.messages.request import EngineCoreRequest
@@ -29,9 +38,23 @@ class IntakeTarget(Protocol):
     def abort_requests(self, request_ids: list[str]) -> object: ...
 
 
+class UtilityTarget(Protocol):
+    """What runs a utility call: an engine core."""
+
+    def call_utility(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class UtilityCall:
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    future: Future[Any] = field(default_factory=Future)
+
+
 class RequestIntake:
     def __init__(self) -> None:
-        self._items: deque[EngineCoreInput] = deque()
+        self._items: deque[EngineCoreInput | UtilityCall] = deque()
         self._arrived = threading.Condition()
         self._closed = False
         self._woken = False
@@ -39,7 +62,7 @@ class RequestIntake:
 
     # ---- any thread ----------------------------------------------------------------
 
-    def put(self, item: EngineCoreInput) -> None:
+    def put(self, item: EngineCoreInput | UtilityCall) -> None:
         with self._arrived:
             self._items.append(item)
             self._arrived.notify_all()
@@ -56,6 +79,13 @@ class RequestIntake:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.put(AbortRequests(list(request_ids)))
 
+    def call_utility(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
+        """Queue a call of the core's `method`; its future holds the result
+        (or the error it raised)."""
+        call = UtilityCall(method, args, kwargs)
+        self.put(call)
+        return call.future
+
     def wake(self) -> None:
         """Wake the stepping thread with no input (the engine core has work
         again: a rebuilt DP rank)."""
@@ -63,11 +93,16 @@ class RequestIntake:
             self._woken = True
             self._arrived.notify_all()
 
-    def close(self) -> None:
-        """No more inputs will come (the client hung up)."""
+    def close(self, error: BaseException | None = None) -> None:
+        """No more inputs will come (the client hung up), or the loop ended
+        with `error`: utility calls still queued fail with it."""
         with self._arrived:
             self._closed = True
             self._arrived.notify_all()
+            if error is not None:
+                for item in self._items:
+                    if isinstance(item, UtilityCall) and not item.future.done():
+                        item.future.set_exception(error)
 
     @property
     def closed(self) -> bool:
@@ -87,11 +122,26 @@ class RequestIntake:
             return not self._closed
 
     def drain_into(self, core: IntakeTarget) -> None:
-        """Hand everything that has arrived to `core`, in arrival order."""
-        while self._items:
+        """Hand everything that has arrived to `core`, in arrival order, up
+        to the first utility call."""
+        while self._items and not isinstance(self._items[0], UtilityCall):
             item = self._items.popleft()
             if isinstance(item, AddRequests):
                 core.add_requests(item.requests)
             else:
+                assert isinstance(item, AbortRequests)
                 core.abort_requests(item.request_ids)
             self.applied += 1
+
+    def utility_next(self) -> bool:
+        """A utility call is the next input."""
+        return bool(self._items) and isinstance(self._items[0], UtilityCall)
+
+    def run_utility(self, core: UtilityTarget) -> None:
+        """Run the next input, a utility call, and settle its future."""
+        call = self._items.popleft()
+        assert isinstance(call, UtilityCall)
+        try:
+            call.future.set_result(core.call_utility(call.method, call.args, call.kwargs))
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            call.future.set_exception(e)

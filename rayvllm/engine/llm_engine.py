@@ -7,15 +7,17 @@ the SchedulerActor); `step` reads what it pushed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rayvllm.config import EngineConfig
+from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
+from rayvllm.engine.weight_sync import sync_weights
 from rayvllm.frontend.output_processor import OutputProcessor
 from rayvllm.frontend.processor import Processor
-from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, StepFailedError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
@@ -43,6 +45,7 @@ class LLMEngine:
         # A dead engine (a killed worker or SchedulerActor, a lost node) is
         # replaced and its requests resumed, as the serving engine does.
         self.restarts = RestartPolicy(engine_core, self.output_processor)
+        self._asleep = False
 
     def add_request(
         self,
@@ -56,6 +59,8 @@ class LLMEngine:
     ) -> None:
         """Validate, tokenize and enqueue; `n > 1` fans out into child requests
         that the OutputProcessor gathers back into one RequestOutput."""
+        if self._asleep:
+            raise InvalidParameterError("engine", "the engine is asleep: wake_up() first")
         core_reqs, prompt_text = self.processor.process_with_fanout(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority, lora_request=lora_request
         )
@@ -102,6 +107,57 @@ class LLMEngine:
                 except EngineDeadError:
                     pass  # a dead core holds nothing; the next step replaces it
         return result.request_outputs
+
+    # ---- the control plane (docs/RL.md): utility calls, run between steps ----------
+
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """`method` on every worker: a worker method's name (a
+        `worker_extension_cls` adds some) or a function given the worker
+        first; each worker's result, in rank order."""
+        return self.engine_core.call_utility("collective_rpc", method, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes; False while requests hold blocks."""
+        return self.engine_core.call_utility("reset_prefix_cache")
+
+    def init_weight_transfer_engine(self, backend: str, **init_info: Any) -> None:
+        """Prepare every worker for updates by `backend`; gloo/nccl join the
+        trainer's group (`master_address`, `master_port`, `world_size`,
+        `rank_offset`: the first engine worker's rank, 1 by default)."""
+        self.engine_core.call_utility("init_weight_transfer_engine", backend, **init_info)
+
+    def start_weight_update(self) -> None:
+        self.engine_core.call_utility("start_weight_update")
+
+    def update_weights(self, update_info: WeightUpdateInfo | dict[str, Any] | None = None, weights: Any = None) -> None:
+        """One chunk: `weights` (a dict or an object ref) for ray, else the
+        names, dtype_names and shapes of the tensors the trainer broadcasts."""
+        self.engine_core.call_utility("update_weights", update_info, self.engine_core.share_weights(weights))
+
+    def finish_weight_update(self) -> None:
+        self.engine_core.call_utility("finish_weight_update")
+
+    def sync_weights(self, weights: Any, backend: str = "ray") -> None:
+        """The four phases in one call (engine/weight_sync.py)."""
+        sync_weights(self.engine_core, weights, backend)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1; the weights stay in host memory) or the
+        weights too (level 2); memory really goes back to the OS. Nothing
+        generates until `wake_up` brings the KV cache back."""
+        self.engine_core.call_utility("sleep", level)
+        self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the `tags` ("weights", "kv_cache"; None: both); level
+        2's weights come back from the checkpoint, unless a weight update
+        brought new ones meanwhile."""
+        self._asleep = self.engine_core.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self._asleep
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

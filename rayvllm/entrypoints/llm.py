@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from tqdm import tqdm
 
 from rayvllm.actors.factory import llm_engine_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
+from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
@@ -40,6 +41,40 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    # ---- the control plane for RL loops (docs/RL.md); `LLMEngine` documents each --
+
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return self.llm_engine.collective_rpc(method, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def init_weight_transfer_engine(self, backend: str, **init_info: Any) -> None:
+        self.llm_engine.init_weight_transfer_engine(backend, **init_info)
+
+    def start_weight_update(self) -> None:
+        self.llm_engine.start_weight_update()
+
+    def update_weights(self, update_info: WeightUpdateInfo | dict[str, Any] | None = None, weights: Any = None) -> None:
+        self.llm_engine.update_weights(update_info, weights)
+
+    def finish_weight_update(self) -> None:
+        self.llm_engine.finish_weight_update()
+
+    def sync_weights(self, weights: Any, backend: str = "ray") -> None:
+        self.llm_engine.sync_weights(weights, backend)
+
+    def sleep(self, level: int = 1) -> None:
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
 
     def generate(
         self,

@@ -66,6 +66,16 @@ class Executor(ABC):
         except Exception as e:  # noqa: BLE001 - reported with the step, by `result`
             return _Done(None, e)
 
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call `method` on every worker of the group (`Worker.run_method`:
+        a worker method's name, or a function given the worker first) and
+        return each rank's result, in rank order. Called only while no step
+        is in flight (the engine loop quiesces first). Raises the first
+        rank's error as it was raised there."""
+        raise NotImplementedError(f"{type(self).__name__} has no workers to call")
+
     def check_health(self) -> None:
         """Raise if any worker is dead."""
 

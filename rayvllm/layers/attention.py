@@ -30,6 +30,11 @@ class Attention(nn.Module):
         self.value_cache = value_cache
         self.backend = backend
 
+    def unbind_kv_cache(self) -> None:
+        """Drop the references to the caches (a sleeping engine frees them)."""
+        self.key_cache = None
+        self.value_cache = None
+
     def forward(
         self,
         q: torch.Tensor,

@@ -7,6 +7,8 @@ the offline API, the Python handle and the HTTP app.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RayvllmError(Exception):
     """Base class; `status_code` is the HTTP status an API server returns,
@@ -19,6 +21,19 @@ class RayvllmError(Exception):
     @property
     def public_message(self) -> str:
         return str(self) or type(self).__name__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by its state, not its constructor's arguments (which a
+        subclass may change), so it crosses processes (a Ray task's error)
+        with its type and message."""
+        return (_restore_error, (type(self), self.args, self.__dict__))
+
+
+def _restore_error(cls: type[RayvllmError], args: tuple[Any, ...], state: dict[str, Any]) -> RayvllmError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class InvalidParameterError(RayvllmError, ValueError):

@@ -18,8 +18,9 @@ samples randomly or uses penalties, biases or logprobs (pageable copies).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,10 +33,11 @@ from rayvllm.distributed.parallel_state import (
 )
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
-from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory
+from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory, return_freed_memory
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput
+from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.cuda_graph import CudaGraphRunner, capture_sizes
@@ -54,7 +56,7 @@ from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.model_executor.sampler import Sampler
 from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
 from rayvllm.models.llama import LlamaForCausalLM
-from rayvllm.models.loader import load_model
+from rayvllm.models.loader import build_model, iterate_weights
 
 @dataclass
 class _StepPlan:
@@ -113,6 +115,9 @@ class ModelRunner:
         )
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        # Asleep at level 1 on a GPU: the weights wait in host memory.
+        self.weights_on_host = False
         self.cuda_graphs: CudaGraphRunner | None = None
 
     # ---- setup -------------------------------------------------------------------
@@ -121,20 +126,73 @@ class ModelRunner:
         if self.on_cpu:
             keep_freed_memory()
         torch.manual_seed(self.model_config.seed)
-        self.model = load_model(
-            self.model_config.model,
-            self.model_config.hf_config,
-            self.dtype,
-            str(self.device),
-            self.parallel,
-            fused_kv_write=self.attn_backend.fused_cpu_kv_write,
-            with_lm_head=self.pooler is None,
-        )
+        self.model = self._build_model(iterate_weights(Path(self.model_config.model), self.dtype))
         ctx = ModelLoadContext(
             self.model, self.dtype, self.device, self.attn_backend.fused_cpu_kv_write, self._to_device
         )
         for ext in self.extensions:
             ext.load_model(ctx)
+
+    def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+        return build_model(
+            self.model_config.hf_config,
+            self.dtype,
+            weights,
+            str(self.device),
+            self.parallel,
+            fused_kv_write=self.attn_backend.fused_cpu_kv_write,
+            with_lm_head=self.pooler is None,
+        )
+
+    def reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the target model by one built from `weights` (HF names and
+        full shapes, every tensor of the checkpoint), bound to the same KV
+        caches. The old model stays in place until the new one is whole, so
+        a failure here leaves it serving. CUDA graphs, captured over the old
+        model's parameters, are captured again."""
+        model = self._build_model(weights)
+        for layer, (k, v) in zip(model.attention_layers(), self.kv_caches):
+            layer.bind_kv_cache(k, v, self.attn_backend)
+        self.model = model
+        if self.cuda_graphs is not None:
+            self.cuda_graphs = None
+            self._capture_cuda_graphs()
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (its contents are lost: the scheduler forgot
+        them first) and give its memory back to the OS. Level 1 keeps the
+        weights in host memory (moved there from a GPU; a CPU model is
+        there already); level 2 frees them too (`wake_up` reloads the
+        checkpoint, or a weight update rebuilds the model meanwhile)."""
+        if self.model is not None:
+            for model in self._kv_models():
+                for layer in model.attention_layers():
+                    layer.unbind_kv_cache()
+        self.kv_caches = []
+        self.cuda_graphs = None
+        if level == 2:
+            self.model = None
+        elif self.model is not None and not self.on_cpu:
+            self.model.to("cpu")
+            self.weights_on_host = True
+        if self.on_cpu:
+            return_freed_memory()
+        else:
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        """Bring back what `tags` name ("weights", "kv_cache"); the KV cache
+        needs the weights awake (it is bound to the model's layers)."""
+        if "weights" in tags:
+            if self.model is None:
+                self.model = self._build_model(iterate_weights(Path(self.model_config.model), self.dtype))
+            elif self.weights_on_host:
+                self.model.to(self.device)
+            self.weights_on_host = False
+        if "kv_cache" in tags and not self.kv_caches:
+            if self.model is None or self.weights_on_host:
+                raise InvalidParameterError("tags", "wake the weights before the KV cache (or sync new weights)")
+            self.initialize_kv_cache(self.num_blocks)
 
     def _kv_models(self) -> list[LlamaForCausalLM]:
         """Models whose KV this rank caches in the same blocks: the target,
@@ -182,6 +240,7 @@ class ModelRunner:
         actor's channel or loop thread, the serving step thread), and two
         live teams slow every parallel region (kernels/omp_runtime.py); a
         thread that goes on to step simply makes its team again."""
+        self.num_blocks = num_blocks
         self.kv_caches = self._bind_kv_caches(num_blocks)
         for ext in self.extensions:
             ext.initialize_kv_cache(self.kv_caches)

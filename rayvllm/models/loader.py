@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -63,6 +63,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def checkpoint_spec(model_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each checkpoint tensor's HF name -> (shape, dtype), read from the
+    safetensors headers alone (no tensor is loaded): what a weight update
+    must match (worker/weight_transfer.py)."""
+    spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for path in _weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                view = f.get_slice(name)
+                spec[name] = (tuple(view.get_shape()), _SAFETENSORS_DTYPES[view.get_dtype()])
+    return spec
+
+
+
 def load_model(
     model_dir: str,
     hf_config: dict,
@@ -72,7 +89,23 @@ def load_model(
     fused_kv_write: bool = True,
     with_lm_head: bool = True,
 ) -> LlamaForCausalLM:
-    """This rank's part of the model (all of it without `parallel`).
+    """This rank's part of the model (all of it without `parallel`), from
+    the checkpoint in `model_dir` (`build_model` says the rest)."""
+    weights = iterate_weights(Path(model_dir), dtype)
+    return build_model(hf_config, dtype, weights, device, parallel, fused_kv_write, with_lm_head)
+
+
+def build_model(
+    hf_config: dict,
+    dtype: torch.dtype,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    device: str = "cpu",
+    parallel: ParallelContext | None = None,
+    fused_kv_write: bool = True,
+    with_lm_head: bool = True,
+) -> LlamaForCausalLM:
+    """This rank's part of the model, its parameters taken from `weights`
+    (HF names and full shapes; each rank slices its part).
 
     Parameters are created in `dtype` on `device` directly: a float32
     model converted afterwards would need twice the weights' memory on a
@@ -90,7 +123,7 @@ def load_model(
         )
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config, dtype, parallel, with_lm_head=with_lm_head).to(dtype)
-    model.load_weights(iterate_weights(Path(model_dir), dtype))
+    model.load_weights(weights)
     if device == "cpu" and dtype == torch.float32:
         model.optimize_for_cpu(use_c_kernels=cpu_ops.available(), fused_kv_write=fused_kv_write)
     elif fused_gpu_kernels_apply(device, dtype):

@@ -1,22 +1,33 @@
 """One rank of a worker group, Ray-free: process-group setup, the preflight
-check, and the model runner with the features the config enables
-(extensions.py). `rayvllm.actors.WorkerActor` is its Ray shim."""
+check, the model runner with the features the config enables
+(extensions.py), the methods `collective_rpc` reaches (a user's
+`worker_extension_cls` adds its own) and the worker's end of weight
+updates (weight_transfer.py). `rayvllm.actors.WorkerActor` is its Ray shim;
+the in-process executor holds one directly."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.parallel_state import ParallelContext
+from rayvllm.distributed.weight_transfer import DEFAULT_TRANSFER_TIMEOUT_S, WeightUpdateInfo
+from rayvllm.kv_offload.factory import offloads_kv
 from rayvllm.messages.engine_types import ModelRunnerOutput
+from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.model_runner import ModelRunner
+from rayvllm.models.loader import checkpoint_spec
 from rayvllm.worker.extensions import create_model_runner
+from rayvllm.worker.weight_transfer import WeightReceiver
 
 
 def free_port() -> int:
@@ -49,8 +60,8 @@ class Worker:
             pp_size=pc.pipeline_parallel_size,
         )
         self.num_threads = cpu_threads(ranks_on_node)
-        self.set_threads()
         self.runner: ModelRunner | None = None
+        self.weight_receiver: WeightReceiver | None = None
 
     def set_threads(self) -> None:
         """Size the calling thread's torch/OpenMP pool (the setting is per
@@ -120,8 +131,101 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute_model(scheduler_output)
 
+    # ---- collective_rpc -----------------------------------------------------------
+
+    def run_method(self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`collective_rpc`'s call on this rank: a method of this worker (its
+        extension's included) by name, or a function given this worker first."""
+        if callable(method):
+            return method(self, *args, **kwargs)
+        target = getattr(self, method, None)
+        if method.startswith("_") or not callable(target):
+            raise InvalidParameterError("method", f"the worker has no method {method!r}")
+        return target(*args, **kwargs)
+
+    # ---- weight updates (vLLM's names; weight_transfer.py) ------------------------
+
+    def init_weight_transfer_engine(
+        self, backend: str, rank_offset: int = 1, master_address: str | None = None,
+        master_port: int | None = None, world_size: int | None = None,
+        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    ) -> None:
+        """Join the trainer's transfer group as rank `rank_offset + rank`."""
+        if self.config.lora_config is not None or self.config.speculative_config is not None:
+            raise InvalidParameterError(
+                "backend", "weight updates rebuild the model; LoRA and speculative decoding do not support it yet"
+            )
+        assert self.runner is not None
+        if self.weight_receiver is None:
+            spec = checkpoint_spec(self.config.model_config.model)
+            tied = self.config.model_config.hf_config.get("tie_word_embeddings", False)
+            embedding = spec.get("model.embed_tokens.weight")
+            optional = {"lm_head.weight": embedding} if tied and embedding and "lm_head.weight" not in spec else {}
+            self.weight_receiver = WeightReceiver(spec, self.runner.dtype, optional)
+        self.weight_receiver.init(backend, rank_offset + self.rank, master_address, master_port, world_size, timeout_s)
+
+    def start_weight_update(self) -> None:
+        self._receiver().start()
+
+    def update_weights(self, update_info: WeightUpdateInfo | None = None, weights: Any = None) -> None:
+        self._receiver().update(update_info, weights)
+
+    def finish_weight_update(self) -> None:
+        """Rebuild the model from the staged update (every rank checked its
+        own chunk; a rank whose check failed raised before this)."""
+        assert self.runner is not None
+        self.runner.reload_weights(self._receiver().finish().items())
+
+    # ---- sleep (engine_core.sleep) --------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        if self.config.lora_config is not None or self.config.speculative_config is not None or offloads_kv(self.config):
+            raise InvalidParameterError(
+                "level", "sleep frees the KV cache and weights that LoRA, speculation and KV offloading hold too; "
+                "not supported with them yet"
+            )
+        assert self.runner is not None
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        assert self.runner is not None
+        self.runner.wake_up(tags)
+
+    def _receiver(self) -> WeightReceiver:
+        if self.weight_receiver is None:
+            raise InvalidParameterError("backend", "call init_weight_transfer_engine first")
+        return self.weight_receiver
+
     def shutdown(self) -> None:
+        if self.weight_receiver is not None:
+            self.weight_receiver.close()
         if self.runner is not None:
             self.runner.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def create_worker(config: EngineConfig, rank: int, ranks_on_node: int = 1) -> Worker:
+    """Rank `rank`'s worker, with the methods of `worker_extension_cls`
+    (vLLM's name) mixed in when the config names one; an extension may
+    add methods, never replace the worker's own."""
+    name = config.parallel_config.worker_extension_cls
+    if name is None:
+        return Worker(config, rank, ranks_on_node)
+    extension = _import_class(name)
+    clashes = sorted(n for n in vars(extension) if not n.startswith("__") and hasattr(Worker, n))
+    if clashes:
+        raise InvalidParameterError("worker_extension_cls", f"{name} redefines the worker's {', '.join(clashes)}")
+    cls = type(f"{extension.__name__}Worker", (Worker, extension), {})
+    return cls(config, rank, ranks_on_node)
+
+
+def _import_class(name: str) -> type:
+    module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise InvalidParameterError("worker_extension_cls", f"cannot import {name!r}: {e}") from e
+    if not isinstance(found, type):
+        raise InvalidParameterError("worker_extension_cls", f"{name!r} is not a class")
+    return found

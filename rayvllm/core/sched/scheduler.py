@@ -114,6 +114,8 @@ class Scheduler:
         # to it, never to a new request that reuses the id.
         self._stale_steps: dict[str, int] = {}
         self.num_preemptions = 0
+        # Preempted between steps (`preempt_running`): the next step tells the workers.
+        self._preempted_between_steps: set[str] = set()
         # Per n > 1 parent: the sibling that computes the shared prompt first.
         self._prompt_leaders: dict[str, Request] = {}
         self.speculative_config = speculative_config
@@ -308,11 +310,12 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_ids,
+            preempted_req_ids=preempted_ids | self._preempted_between_steps,
             scheduled_spec_decode_tokens=spec_tokens,
             kv_transfers=kv.take_transfers(),
         )
         self.finished_req_ids = set()
+        self._preempted_between_steps = set()
         return output
 
     def _num_spec_to_schedule(self, request: Request, num_new: int, budget: int) -> int:
@@ -382,6 +385,15 @@ class Scheduler:
         if self.policy == "priority":
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
+
+    def preempt_running(self) -> None:
+        """Preempt every running request, by recompute, keeping their order
+        at the head of the queue: their KV is computed again when they are
+        scheduled next (under new weights, after an update). Only between
+        steps, with none in flight (the engine loop took them back)."""
+        for request in reversed(list(self.running)):
+            self._preempt(request)
+            self._preempted_between_steps.add(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -11,7 +11,7 @@ reaches the engine through its `EngineClient` methods only.
 
 import uuid
 from dataclasses import asdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,6 +21,7 @@ from ray import serve
 
 from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
+from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead, forwarded_routes, response_parts
@@ -38,6 +39,7 @@ from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from rayvllm.entrypoints.openai.rl_protocol import PauseRequest, UpdateWeightsRequest, WeightTransferInitRequest
 from rayvllm.entrypoints.openai.stream_resume import StreamResume
 from rayvllm.messages.errors import ModelNotFoundError
 from rayvllm.messages.lora_request import LoRARequest
@@ -216,7 +218,100 @@ class LLMServerImpl:
         payload, content_type = await self.engine.render_metrics()
         return Response(payload, media_type=content_type)
 
+    # ---- the control plane for RL loops (docs/RL.md), behind the API key -------------
+
+    @app.post("/reset_prefix_cache")
+    @openai_route()
+    async def reset_prefix_cache_route(self) -> Reply:
+        return JSONResponse({"reset": await self.engine.reset_prefix_cache()})
+
+    @app.post("/pause")
+    @openai_route(PauseRequest)
+    async def pause_route(self, body: PauseRequest) -> Reply:
+        await self.engine.pause_generation(body.mode, body.clear_cache)
+        return Response(status_code=200)
+
+    @app.post("/resume")
+    @openai_route()
+    async def resume_route(self) -> Reply:
+        await self.engine.resume_generation()
+        return Response(status_code=200)
+
+    @app.get("/is_paused")
+    @openai_route()
+    async def is_paused_route(self) -> Reply:
+        return JSONResponse({"is_paused": self.engine.is_paused()})
+
+    @app.post("/init_weight_transfer_engine")
+    @openai_route(WeightTransferInitRequest)
+    async def init_weight_transfer_engine_route(self, body: WeightTransferInitRequest) -> Reply:
+        await self.engine.init_weight_transfer_engine(**body.init_info.model_dump())
+        return Response(status_code=200)
+
+    @app.post("/start_weight_update")
+    @openai_route()
+    async def start_weight_update_route(self) -> Reply:
+        await self.engine.start_weight_update()
+        return Response(status_code=200)
+
+    @app.post("/update_weights")
+    @openai_route(UpdateWeightsRequest)
+    async def update_weights_route(self, body: UpdateWeightsRequest) -> Reply:
+        await self.engine.update_weights(WeightUpdateInfo(**body.update_info.model_dump()))
+        return Response(status_code=200)
+
+    @app.post("/finish_weight_update")
+    @openai_route()
+    async def finish_weight_update_route(self) -> Reply:
+        await self.engine.finish_weight_update()
+        return Response(status_code=200)
+
     # ---- Python handle methods ------------------------------------------------------
+
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return await self.engine.collective_rpc(method, args, kwargs)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
+    async def init_weight_transfer_engine(self, backend: str, **init_info: Any) -> None:
+        await self.engine.init_weight_transfer_engine(backend, **init_info)
+
+    async def start_weight_update(self) -> None:
+        await self.engine.start_weight_update()
+
+    async def update_weights(
+        self, update_info: WeightUpdateInfo | dict[str, Any] | None = None, weights: Any = None
+    ) -> None:
+        await self.engine.update_weights(update_info, weights)
+
+    async def finish_weight_update(self) -> None:
+        await self.engine.finish_weight_update()
+
+    async def sync_weights(self, weights: Any, backend: str = "ray") -> None:
+        """`weights`: a dict, or (best: the trainer puts once) an object ref
+        to one; `gloo` broadcasts from this replica's process."""
+        await self.engine.sync_weights(weights, backend)
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        await self.engine.pause_generation(mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.engine.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self.engine.is_paused()
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
 
     async def generate(
         self,

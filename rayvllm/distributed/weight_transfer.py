@@ -1,0 +1,127 @@
+"""The wire of a weight update from a trainer into an engine's workers:
+vLLM's `gloo` and `nccl` weight-transfer backends, a torch.distributed
+process group of their own that the trainer (rank 0, the store's host) and
+every engine worker (ranks `rank_offset` ...) join through a TCP store.
+
+The group is separate from the workers' TP/PP world (a process has one
+default group; this one is built on its own store), so it forms and goes
+away without touching the ranks' collectives.
+
+Invariant: every member takes part in the same broadcasts in the same
+order. The trainer broadcasts an update's tensors in the order of its
+`WeightUpdateInfo.names`; a worker receives into buffers shaped by that
+info, so the collective stays aligned even when the info does not fit the
+model (the worker checks it against the model afterwards, before it writes
+any parameter: worker/weight_transfer.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rayvllm.messages.errors import InvalidParameterError
+
+# `ray`: the trainer puts the weights in the object store once and every
+# worker fetches them itself (no process group).
+WEIGHT_TRANSFER_BACKENDS = ("ray", "gloo", "nccl")
+# Seconds for the group to form (every member must join) and for a broadcast.
+DEFAULT_TRANSFER_TIMEOUT_S = 300.0
+
+
+def check_transfer_backend(backend: str) -> None:
+    """A known backend that this machine can run: `nccl` only where CUDA is."""
+    if backend not in WEIGHT_TRANSFER_BACKENDS:
+        raise InvalidParameterError("backend", f"must be one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise InvalidParameterError("backend", "nccl needs CUDA, which this process does not have; use gloo or ray")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> "float32" (vLLM's `dtype_names`)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidParameterError("dtype_names", f"{name!r} is not a torch dtype")
+    return dtype
+
+
+@dataclass(frozen=True)
+class WeightUpdateInfo:
+    """What one `update_weights` chunk carries over a process group (vLLM's
+    `update_info`): the HF names, dtypes and shapes of the tensors the
+    trainer broadcasts next, in that order."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise InvalidParameterError(
+                "update_info",
+                f"names, dtype_names and shapes differ in length ({len(self.names)}, "
+                f"{len(self.dtype_names)}, {len(self.shapes)})",
+            )
+
+    @staticmethod
+    def of(weights: Mapping[str, torch.Tensor]) -> "WeightUpdateInfo":
+        return WeightUpdateInfo(
+            list(weights), [dtype_name(t.dtype) for t in weights.values()], [list(t.shape) for t in weights.values()]
+        )
+
+
+class TransferGroup:
+    """One member's end of the group: `rank` 0 hosts the store (the
+    trainer). The constructor returns once all `world_size` members joined
+    (or raises after `timeout_s`)."""
+
+    def __init__(
+        self, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    ) -> None:
+        check_transfer_backend(backend)
+        if backend == "ray":
+            raise InvalidParameterError("backend", "ray moves weights as object refs, not over a process group")
+        if not 0 <= rank < world_size:
+            raise InvalidParameterError("rank_offset", f"rank {rank} is outside a group of {world_size}")
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(self.store, rank, world_size)
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        self.rank = rank
+        # Every member waits here for all: the first broadcast then finds a whole group.
+        self._broadcast([torch.zeros(1, device=self.device)])
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        for tensor in tensors:
+            self.group.broadcast([tensor], options).wait()
+
+    def send(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Rank 0: broadcast `weights` in their order (as `WeightUpdateInfo.of` lists them)."""
+        assert self.rank == 0
+        self._broadcast([t.detach().to(self.device).contiguous() for t in weights.values()])
+
+    def receive(self, info: WeightUpdateInfo) -> dict[str, torch.Tensor]:
+        """Another rank: the tensors of one chunk, shaped as `info` says."""
+        tensors = [
+            torch.empty(shape, dtype=dtype_of(dt), device=self.device) for dt, shape in zip(info.dtype_names, info.shapes)
+        ]
+        self._broadcast(tensors)
+        return dict(zip(info.names, tensors))
+
+    def close(self) -> None:
+        self.group = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
