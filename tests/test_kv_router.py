@@ -280,6 +280,42 @@ def _health(url: str) -> int:
         return 0
 
 
+def _replica_reports() -> list[dict]:
+    alive = [("class_name", "=", "ServeReplica:kvr:LLMServer"), ("state", "=", "ALIVE")]
+    actors = list_actors(address=ray.get_runtime_context().gcs_address, filters=alive)
+    return [ray.get(ray.get_actor(a.name, namespace="serve").record_routing_stats.remote()) for a in actors]
+
+
+def test_routes_that_change_the_engine_reach_every_replica(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """/reset_prefix_cache through the router (with the key) empties both
+    replicas' caches: documents cached on each are missed after it; a
+    pause through the ingress's handle holds on both."""
+    handle, url = two_replicas
+    rng = random.Random(17)
+    slow = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # long enough to overlap
+    docs: list[list[int]] = []
+    for _ in range(5):  # documents at once until both replicas hold some (the router spreads a burst)
+        burst = [[rng.randrange(5, 4000) for _ in range(64)] for _ in range(4)]
+        with ThreadPoolExecutor(len(burst)) as pool:
+            list(pool.map(lambda d: handle.generate.remote({"prompt_token_ids": d}, slow).result(), burst))
+        docs += burst
+        if all(decode_report(r)[1] for r in _replica_reports()):
+            break
+    assert all(decode_report(r)[1] for r in _replica_reports())
+    assert requests.post(f"{url}/reset_prefix_cache", timeout=60).status_code == 401
+    assert requests.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60).status_code == 200
+    for doc in docs:
+        assert handle.generate.remote({"prompt_token_ids": doc + [9, 10]}, GREEDY).result().num_cached_tokens == 0
+    handle.pause_generation.remote("keep").result()
+    try:
+        assert handle.is_paused.remote().result() is True
+    finally:
+        handle.resume_generation.remote().result()
+    assert handle.is_paused.remote().result() is False
+
+
 def _kill_the_busy_server() -> int:
     """SIGKILL the one server replica running requests now; their number."""
     busy = []

@@ -9,6 +9,7 @@ reaches the engine through its `EngineClient` methods only.
 """
 
 
+import contextlib
 import uuid
 from dataclasses import asdict
 from collections.abc import AsyncIterator, Callable
@@ -221,18 +222,18 @@ class LLMServerImpl:
     # ---- the control plane for RL loops (docs/RL.md), behind the API key -------------
 
     @app.post("/reset_prefix_cache")
-    @openai_route()
+    @openai_route(replica_wide=True)
     async def reset_prefix_cache_route(self) -> Reply:
         return JSONResponse({"reset": await self.engine.reset_prefix_cache()})
 
     @app.post("/pause")
-    @openai_route(PauseRequest)
+    @openai_route(PauseRequest, replica_wide=True)
     async def pause_route(self, body: PauseRequest) -> Reply:
         await self.engine.pause_generation(body.mode, body.clear_cache)
         return Response(status_code=200)
 
     @app.post("/resume")
-    @openai_route()
+    @openai_route(replica_wide=True)
     async def resume_route(self) -> Reply:
         await self.engine.resume_generation()
         return Response(status_code=200)
@@ -243,25 +244,25 @@ class LLMServerImpl:
         return JSONResponse({"is_paused": self.engine.is_paused()})
 
     @app.post("/init_weight_transfer_engine")
-    @openai_route(WeightTransferInitRequest)
+    @openai_route(WeightTransferInitRequest, replica_wide=True)
     async def init_weight_transfer_engine_route(self, body: WeightTransferInitRequest) -> Reply:
         await self.engine.init_weight_transfer_engine(**body.init_info.model_dump())
         return Response(status_code=200)
 
     @app.post("/start_weight_update")
-    @openai_route()
+    @openai_route(replica_wide=True)
     async def start_weight_update_route(self) -> Reply:
         await self.engine.start_weight_update()
         return Response(status_code=200)
 
     @app.post("/update_weights")
-    @openai_route(UpdateWeightsRequest)
+    @openai_route(UpdateWeightsRequest, replica_wide=True)
     async def update_weights_route(self, body: UpdateWeightsRequest) -> Reply:
         await self.engine.update_weights(WeightUpdateInfo(**body.update_info.model_dump()))
         return Response(status_code=200)
 
     @app.post("/finish_weight_update")
-    @openai_route()
+    @openai_route(replica_wide=True)
     async def finish_weight_update_route(self) -> Reply:
         await self.engine.finish_weight_update()
         return Response(status_code=200)
@@ -380,6 +381,14 @@ class LLMServerImpl:
         )
         async for part in response_parts(response):
             yield part
+
+    async def serve_http_whole(self, method: str, path: str, data: dict[str, Any] | None = None) -> ResponseHead:
+        """`serve_http` for a route that answers in one piece (the router
+        ingress sends a replica-wide route to every replica this way)."""
+        async with contextlib.aclosing(self.serve_http(method, path, data)) as parts:
+            head = await anext(parts)
+        assert isinstance(head, ResponseHead) and head.body is not None, "a replica-wide route does not stream"
+        return head
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook: the load and cached blocks the

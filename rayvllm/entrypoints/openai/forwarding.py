@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 
-from rayvllm.entrypoints.openai.http_route import FORWARDED_ATTR, PUBLIC_ATTR
+from rayvllm.entrypoints.openai.http_route import FORWARDED_ATTR, PUBLIC_ATTR, READS_BODY_ATTR, REPLICA_WIDE_ATTR
 from rayvllm.entrypoints.openai.stream_resume import ProgressEvent, StreamResume
 from rayvllm.entrypoints.openai.streams import EventStream
 
@@ -57,12 +57,14 @@ class ForwardedChunk:
 @dataclass(frozen=True)
 class RouteSpec:
     """One route of the server: `forwarded(owner, data, **route_kwargs)`
-    answers it for a body read elsewhere; a `public` route takes no API key; `reads_body`:
-    whether it has a body to read."""
+    answers it for a body read elsewhere; a `public` route takes no API
+    key; `reads_body`: whether it has a body to read; a `replica_wide` one
+    goes to every replica."""
 
     forwarded: Forwarded
     public: bool
     reads_body: bool
+    replica_wide: bool = False
 
 
 def forwarded_routes(app: FastAPI, owner: type) -> dict[tuple[str, str], RouteSpec]:
@@ -75,7 +77,10 @@ def forwarded_routes(app: FastAPI, owner: type) -> dict[tuple[str, str], RouteSp
         forwarded = getattr(handler, FORWARDED_ATTR, None)
         if forwarded is None:
             continue
-        spec = RouteSpec(forwarded, bool(getattr(handler, PUBLIC_ATTR, False)), "POST" in route.methods)
+        spec = RouteSpec(
+            forwarded, bool(getattr(handler, PUBLIC_ATTR, False)), bool(getattr(handler, READS_BODY_ATTR, False)),
+            bool(getattr(handler, REPLICA_WIDE_ATTR, False)),
+        )
         for method in route.methods:
             table[(method, route.path)] = spec
     return table

@@ -24,7 +24,9 @@ from rayvllm.messages.errors import (
     RequestTooLargeError,
 )
 
-__all__ = ["FORWARDED_ATTR", "PUBLIC_ATTR", "RETRY_AFTER_S", "RouteOwner", "openai_route"]
+__all__ = [
+    "FORWARDED_ATTR", "PUBLIC_ATTR", "READS_BODY_ATTR", "REPLICA_WIDE_ATTR", "RETRY_AFTER_S", "RouteOwner", "openai_route",
+]
 
 # Clients told to come back after an overload wait this long (seconds).
 RETRY_AFTER_S = 1
@@ -33,6 +35,11 @@ RETRY_AFTER_S = 1
 FORWARDED_ATTR = "forwarded"
 # The attribute that marks a route public (no API key: probes, scrapers).
 PUBLIC_ATTR = "public"
+# The attribute that says whether a route reads a body (a POST may have none).
+READS_BODY_ATTR = "reads_body"
+# The attribute that marks a route every replica must answer (a weight
+# update, a pause): the router ingress sends it to all of them.
+REPLICA_WIDE_ATTR = "replica_wide"
 
 # What a route body may return: a ready response, a pydantic body (sent as
 # JSON), or a stream of server-sent events.
@@ -99,6 +106,7 @@ def openai_route(
     *,
     public: bool = False,
     before: Callable[[Any], Awaitable[object]] | None = None,
+    replica_wide: bool = False,
 ) -> Callable[[RouteBody], Handler]:
     """Wrap `route(self[, body])` into a FastAPI method `(self, request)`.
 
@@ -113,7 +121,8 @@ def openai_route(
     the same route, less authorization and reading, on a body that the
     router ingress in front read and whose caller it authorized, with
     keyword arguments of the route's own that no client sends (a stream's
-    resume point).
+    resume point). A `replica_wide` route changes the engine (weights,
+    pausing): behind the router ingress every replica answers it.
     """
 
     def wrap(route: RouteBody) -> Handler:
@@ -166,6 +175,8 @@ def openai_route(
         handler.__doc__ = route.__doc__
         setattr(handler, FORWARDED_ATTR, forwarded)
         setattr(handler, PUBLIC_ATTR, public)
+        setattr(handler, REPLICA_WIDE_ATTR, replica_wide)
+        setattr(handler, READS_BODY_ATTR, body is not None)
         return handler
 
     return wrap

@@ -12,9 +12,12 @@ prefix. The server answers the route as it would have itself
 (forwarding.py): one head, then a stream's chunks as they are made.
 When a server dies mid-stream, the stream moves: another server continues
 it from the tokens and text the client has (stream_resume.py), so the
-client reads one unbroken stream. Python handle calls (`generate`,
-`generate_stream`) pass through as they are. It holds no engine and asks
-Ray for no CPU.
+client reads one unbroken stream. Routes that change the engine (weight
+updates, pausing: `replica_wide`) go to every replica, as do the matching
+handle calls (`sync_weights`, `pause_generation`, ...): all replicas serve
+one policy. Python handle calls (`generate`, `generate_stream`) pass
+through to the replica the router picks. It holds no engine and asks Ray
+for no CPU.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes'
@@ -136,6 +139,8 @@ class OpenAIRouter:
             data = await read_json(request, self.max_request_bytes) if spec.reads_body else None
         except Exception as e:  # noqa: BLE001 - answered as the server would
             return error_response(e)
+        if spec.replica_wide:
+            return await self._answer_everywhere(request.method, path, data)
         hints = routing_hints(path, data, request.headers, self._tokenizer, self._served_model_name)
         handle = self._handle(request.headers.get(MULTIPLEX_HEADER, "")).options(stream=True)
 
@@ -153,6 +158,68 @@ class OpenAIRouter:
             return Response(head.body, head.status, headers=dict(head.headers))
         relay = _relay(parts, head.resume, call, self.stream_migration_limit)
         return StreamingResponse(relay, head.status, headers=dict(head.headers))
+
+    async def _answer_everywhere(self, method: str, path: str, data: dict[str, Any] | None) -> Response:
+        """A replica-wide route, answered by every replica: the first
+        failure's answer if any replica failed, else the first answer."""
+        heads: list[ResponseHead] = await self._server.broadcast(
+            "serve_http_whole", method, path, data
+        ).results_async()
+        if not heads:
+            return error_response(EngineDeadError("no replica is running"))
+        head = next((h for h in heads if h.status >= 400), heads[0])
+        assert head.body is not None
+        return Response(head.body, head.status, headers=dict(head.headers))
+
+    async def _everywhere(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Handle method `method` on every replica; the first replica's
+        result (an error on any replica raises)."""
+        results = await self._server.broadcast(method, *args, **kwargs).results_async()
+        if not results:
+            raise EngineDeadError("no replica is running")
+        return results[0]
+
+    # The RL control plane (docs/RL.md) on every replica. A `gloo` or
+    # `nccl` group is one engine's: with several replicas, sync by `ray`.
+    async def sync_weights(self, weights: Any, backend: str = "ray") -> None:
+        await self._everywhere("sync_weights", weights, backend)
+
+    async def init_weight_transfer_engine(self, backend: str, **init_info: Any) -> None:
+        await self._everywhere("init_weight_transfer_engine", backend, **init_info)
+
+    async def start_weight_update(self) -> None:
+        await self._everywhere("start_weight_update")
+
+    async def update_weights(self, update_info: Any = None, weights: Any = None) -> None:
+        await self._everywhere("update_weights", update_info, weights)
+
+    async def finish_weight_update(self) -> None:
+        await self._everywhere("finish_weight_update")
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._everywhere("reset_prefix_cache"))
+
+    async def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """Every replica's workers' results, one list per replica."""
+        return await self._server.broadcast("collective_rpc", method, args, kwargs).results_async()
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        await self._everywhere("pause_generation", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._everywhere("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return all(await self._server.broadcast("is_paused").results_async())
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._everywhere("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._everywhere("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return all(await self._server.broadcast("is_sleeping").results_async())
 
     async def generate(self, *args: Any, **kwargs: Any) -> RequestOutput:
         """`LLMServer.generate`, its arguments as they are, on the replica the router picks."""
