@@ -64,10 +64,17 @@ def test_the_server_forwards_every_route_it_serves() -> None:
     from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES
 
     assert sorted(FORWARDED_ROUTES) == [
-        ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/detokenize"),
-        ("POST", "/tokenize"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-        ("POST", "/v1/embeddings"), ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/responses"),
-        ("POST", "/v1/unload_lora_adapter"),
+        ("GET", "/health"), ("GET", "/is_paused"), ("GET", "/metrics"), ("GET", "/v1/models"),
+        ("POST", "/detokenize"), ("POST", "/finish_weight_update"), ("POST", "/init_weight_transfer_engine"),
+        ("POST", "/pause"), ("POST", "/reset_prefix_cache"), ("POST", "/resume"), ("POST", "/start_weight_update"),
+        ("POST", "/tokenize"), ("POST", "/update_weights"), ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/load_lora_adapter"),
+        ("POST", "/v1/responses"), ("POST", "/v1/unload_lora_adapter"),
+    ]
+    wide = sorted(path for (_, path), spec in FORWARDED_ROUTES.items() if spec.replica_wide)
+    assert wide == [
+        "/finish_weight_update", "/init_weight_transfer_engine", "/pause", "/reset_prefix_cache", "/resume",
+        "/start_weight_update", "/update_weights",
     ]
     public = {key for key, spec in FORWARDED_ROUTES.items() if spec.public}
     assert public == {("GET", "/health"), ("GET", "/metrics")}

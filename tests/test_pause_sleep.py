@@ -135,6 +135,9 @@ def test_keep_with_a_weight_update_continues_on_the_new_weights(
     async def body(engine: AsyncLLM) -> tuple[list[list[int]], list[list[int]]]:
         streams, tokens = await _started(engine)
         await engine.pause_generation(mode="keep", clear_cache=True)
+        for stream, so_far in zip(streams, tokens):
+            if not stream._queue.empty():  # outputs made before the pause, not read yet: the old weights'
+                so_far += (await stream.__anext__()).outputs[0].token_ids
         before = [list(t) for t in tokens]
         await engine.sync_weights(trained, backend="ray")
         await engine.resume_generation()
