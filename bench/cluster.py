@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -54,15 +54,17 @@ Prompt = list[int] | str
 Chat = list[tuple[Prompt, int]]
 
 
-def conversations(args: argparse.Namespace, vocab: int, decode: Callable[[list[int]], str] | None) -> list[Chat]:
+def conversations(
+    args: argparse.Namespace, vocab: Sequence[int], decode: Callable[[list[int]], str] | None
+) -> list[Chat]:
     """Per session, per turn: the prompt and its token count, fixed by
     `--seed`. With `decode`, prompts are text: each segment (system prompt,
     turn, reply) decoded on its own, so a turn's text begins with the whole
-    text of the turn before."""
+    text of the turn before. Token ids are drawn from `vocab`."""
     rng = random.Random(args.seed)
 
     def segment(n: int) -> Prompt:
-        ids = [rng.randrange(5, vocab) for _ in range(n)]
+        ids = [rng.choice(vocab) for _ in range(n)]
         return decode(ids) if decode is not None else ids
 
     def joined(parts: list[Prompt]) -> Prompt:
@@ -206,13 +208,18 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     model = serving.resolve_model(args.model)
-    vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    vocab_size = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    vocab: Sequence[int] = range(5, vocab_size)
     decode = None
     if args.prompts == "text":
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
         decode = tokenizer.decode
+        # Ids whose text tokenizes back to themselves: a text prompt then has
+        # about as many tokens as the ids it was drawn as.
+        vocab = [i for i in range(5, min(vocab_size, 8192))
+                 if tokenizer.encode(" " + tokenizer.decode([i]).strip(), add_special_tokens=False)[-1:] == [i]]
     chats = conversations(args, vocab, decode)
     log_dir = Path(tempfile.mkdtemp(prefix="rayvllm-cluster-"))
     print(f"{args.sessions} chats x {args.turns} turns, {args.system_prompts} system prompts of {args.system_len} "

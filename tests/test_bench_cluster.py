@@ -19,8 +19,8 @@ def test_every_turn_extends_the_last_and_chats_share_system_prompts() -> None:
     sys.modules[spec.name] = cluster
     spec.loader.exec_module(cluster)
     args = argparse.Namespace(seed=3, sessions=6, turns=3, system_prompts=2, system_len=16, user_len=4, output_len=5)
-    chats = cluster.conversations(args, vocab=100, decode=None)
-    assert chats == cluster.conversations(args, vocab=100, decode=None)  # the same for every router
+    chats = cluster.conversations(args, vocab=range(5, 100), decode=None)
+    assert chats == cluster.conversations(args, vocab=range(5, 100), decode=None)  # the same for every router
     assert len(chats) == 6 and all(len(turns) == 3 for turns in chats)
     for s, turns in enumerate(chats):
         for (prev, _), (prompt, n) in zip(turns, turns[1:]):
@@ -30,7 +30,7 @@ def test_every_turn_extends_the_last_and_chats_share_system_prompts() -> None:
     assert all(5 <= t < 100 for turns in chats for prompt, _ in turns for t in prompt)
     # As text (the default: the peer's router matches text), each segment
     # decoded on its own: every turn's text begins with the last turn's.
-    texts = cluster.conversations(args, vocab=100, decode=lambda ids: "".join(f"<{t}>" for t in ids))
+    texts = cluster.conversations(args, vocab=range(5, 100), decode=lambda ids: "".join(f"<{t}>" for t in ids))
     for turns, token_turns in zip(texts, chats):
         for (prev, _), (prompt, n), (ids, m) in zip(turns, turns[1:], token_turns[1:]):
             assert prompt.startswith(prev) and n == m
