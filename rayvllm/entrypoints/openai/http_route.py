@@ -25,7 +25,8 @@ from rayvllm.messages.errors import (
 )
 
 __all__ = [
-    "FORWARDED_ATTR", "PUBLIC_ATTR", "READS_BODY_ATTR", "REPLICA_WIDE_ATTR", "RETRY_AFTER_S", "RouteOwner", "openai_route",
+    "FORWARDED_ATTR", "PUBLIC_ATTR", "READS_BODY_ATTR", "REPLICA_WIDE_ATTR", "RETRY_AFTER_S", "RouteOwner",
+    "openai_route",
 ]
 
 # Clients told to come back after an overload wait this long (seconds).

@@ -199,7 +199,9 @@ class OpenAIRouter:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._everywhere("reset_prefix_cache"))
 
-    async def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    async def collective_rpc(
+        self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         """Every replica's workers' results, one list per replica."""
         return await self._server.broadcast("collective_rpc", method, args, kwargs).results_async()
 

@@ -327,10 +327,11 @@ class OpenAIServing:
             params = req.to_sampling_params()
             prompts = _completion_prompts(req.prompt)
             resumable = req.stream and len(prompts) == 1 and params.n == 1 and not req.echo
-            progress = _stream_resume(resumable and req.prompt_logprobs is None, resume, _response_id("cmpl-", request_id))
+            response_id = _response_id("cmpl-", request_id)
+            progress = _stream_resume(resumable and req.prompt_logprobs is None, resume, response_id)
         streams = await self._start(req, prompts, params, request_id, resume)
         tally = _Tally(len(prompts), params.n, keep_outputs=not req.stream, resume=resume)
-        response_id = progress.response_id if progress else _response_id("cmpl-", request_id)
+        response_id = progress.response_id if progress else response_id
         created = progress.created if progress else int(time.time())
         if req.stream:
             events = self._completion_events(req, streams, tally, response_id, created, model, progress is not None)
@@ -433,17 +434,19 @@ class OpenAIServing:
             params = self._with_tool_constraint(req.to_sampling_params(), tools)
             prompt = await self._render_chat(req, req.template_tools())
             resumable = req.stream and params.n == 1 and tools is None and req.prompt_logprobs is None
-            progress = _stream_resume(resumable, resume, _response_id("chatcmpl-", request_id))
+            response_id = _response_id("chatcmpl-", request_id)
+            progress = _stream_resume(resumable, resume, response_id)
         streams = await self._start(req, [prompt], params, request_id, resume)
         tally = _Tally(1, params.n, keep_outputs=not req.stream, resume=resume)
-        response_id = progress.response_id if progress else _response_id("chatcmpl-", request_id)
+        response_id = progress.response_id if progress else response_id
         created = progress.created if progress else int(time.time())
         if req.stream:
             events = self._chat_events(
                 req, streams, tally, response_id, created, model, tools, progress is not None, resume is not None
             )
             final = partial(ChatCompletionStreamResponse, id=response_id, created=created, model=model, choices=[])
-            return EventStream(_framed(events, "chat", response_id, tally, final, req.include_usage), streams.aclose, progress)
+            framed = _framed(events, "chat", response_id, tally, final, req.include_usage)
+            return EventStream(framed, streams.aclose, progress)
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 tally.absorb(prompt_index, out)
