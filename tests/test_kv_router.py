@@ -294,10 +294,10 @@ def test_routes_that_change_the_engine_reach_every_replica(
     pause through the ingress's handle holds on both."""
     handle, url = two_replicas
     rng = random.Random(17)
-    slow = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # long enough to overlap
+    slow = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)  # long enough to overlap
     docs: list[list[int]] = []
     for _ in range(5):  # documents at once until both replicas hold some (the router spreads a burst)
-        burst = [[rng.randrange(5, 4000) for _ in range(64)] for _ in range(4)]
+        burst = [[rng.randrange(5, 4000) for _ in range(64)] for _ in range(8)]
         with ThreadPoolExecutor(len(burst)) as pool:
             list(pool.map(lambda d: handle.generate.remote({"prompt_token_ids": d}, slow).result(), burst))
         docs += burst

@@ -45,9 +45,9 @@ def _run(served: Served, route: str, body: dict[str, Any], resume: StreamResume 
     serving, loop = served
     if route == "chat":
         chat = parse_request(ChatCompletionRequest, {"model": "tiny", "stream": True, **body})
-        return loop.run_until_complete(serving.create_chat_completion(chat, "chatcmpl-r", resume))
+        return loop.run_until_complete(serving.create_chat_completion(chat, "chatcmpl-r", resume, tracked=True))
     req = parse_request(CompletionRequest, {"model": "tiny", "stream": True, **body})
-    return loop.run_until_complete(serving.create_completion(req, "cmpl-r", resume))
+    return loop.run_until_complete(serving.create_completion(req, "cmpl-r", resume, tracked=True))
 
 
 def _events(served: Served, stream: EventStream) -> list[str]:
@@ -145,3 +145,14 @@ def test_streams_that_cannot_move_say_so(serving: Served) -> None:
         assert not any(isinstance(e, ProgressEvent) for e in _events(serving, stream))
         with pytest.raises(InvalidParameterError):
             _run(serving, "completion", body, StreamResume("cmpl-r", 0, [5], 1))
+
+
+def test_a_stream_answered_directly_is_not_tracked(serving: Served) -> None:
+    """A replica answering HTTP itself (nothing could resume its streams)
+    does not tag their events."""
+    serving_, loop = serving
+    req = parse_request(CompletionRequest, {"model": "tiny", "stream": True, "prompt": PROMPT, "max_tokens": 4})
+    stream = loop.run_until_complete(serving_.create_completion(req, "cmpl-d"))
+    assert stream.resume is None
+    assert not any(isinstance(e, ProgressEvent) for e in _events(serving, stream))
+

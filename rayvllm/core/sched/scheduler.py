@@ -310,12 +310,14 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_ids | self._preempted_between_steps,
+            preempted_req_ids=preempted_ids | self._preempted_between_steps if self._preempted_between_steps
+            else preempted_ids,
             scheduled_spec_decode_tokens=spec_tokens,
             kv_transfers=kv.take_transfers(),
         )
         self.finished_req_ids = set()
-        self._preempted_between_steps = set()
+        if self._preempted_between_steps:
+            self._preempted_between_steps = set()
         return output
 
     def _num_spec_to_schedule(self, request: Request, num_new: int, budget: int) -> int:

@@ -158,14 +158,18 @@ class LLMServerImpl:
     # ---- OpenAI routes --------------------------------------------------------------
 
     @app.post("/v1/completions")
-    @openai_route(CompletionRequest, before=_multiplexed_adapter)
-    async def completions(self, body: CompletionRequest, resume: StreamResume | None = None) -> Reply:
-        return await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}", resume)
+    @openai_route(CompletionRequest, before=_multiplexed_adapter, movable=True)
+    async def completions(
+        self, body: CompletionRequest, resume: StreamResume | None = None, tracked: bool = False
+    ) -> Reply:
+        return await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}", resume, tracked)
 
     @app.post("/v1/chat/completions")
-    @openai_route(ChatCompletionRequest, before=_multiplexed_adapter)
-    async def chat_completions(self, body: ChatCompletionRequest, resume: StreamResume | None = None) -> Reply:
-        return await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}", resume)
+    @openai_route(ChatCompletionRequest, before=_multiplexed_adapter, movable=True)
+    async def chat_completions(
+        self, body: ChatCompletionRequest, resume: StreamResume | None = None, tracked: bool = False
+    ) -> Reply:
+        return await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}", resume, tracked)
 
     @app.post("/v1/responses")
     @openai_route(ResponsesRequest, before=_multiplexed_adapter)

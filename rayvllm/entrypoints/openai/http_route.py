@@ -108,6 +108,7 @@ def openai_route(
     public: bool = False,
     before: Callable[[Any], Awaitable[object]] | None = None,
     replica_wide: bool = False,
+    movable: bool = False,
 ) -> Callable[[RouteBody], Handler]:
     """Wrap `route(self[, body])` into a FastAPI method `(self, request)`.
 
@@ -123,7 +124,10 @@ def openai_route(
     router ingress in front read and whose caller it authorized, with
     keyword arguments of the route's own that no client sends (a stream's
     resume point). A `replica_wide` route changes the engine (weights,
-    pausing): behind the router ingress every replica answers it.
+    pausing): behind the router ingress every replica answers it. A
+    `movable` route's stream can move to another replica: forwarded, the
+    route is called with `tracked=True` (its events say how far it came);
+    answered directly, nothing could resume it, so it is not tracked.
     """
 
     def wrap(route: RouteBody) -> Handler:
@@ -166,6 +170,8 @@ def openai_route(
                     raise InvalidParameterError("body", "must be a JSON object")
                 return data
 
+            if movable:
+                route_kwargs = {**route_kwargs, "tracked": True}
             return await answer(self, given, route_kwargs)
 
         # Not functools.wraps: FastAPI reads the signature through

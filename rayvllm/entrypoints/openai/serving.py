@@ -186,16 +186,18 @@ def _response_id(prefix: str, request_id: str) -> str:
     return request_id if request_id.startswith(prefix) else f"{prefix}{request_id}"
 
 
-def _stream_resume(resumable: bool, resume: StreamResume | None, response_id: str) -> StreamResume | None:
+def _stream_resume(
+    resumable: bool, resume: StreamResume | None, tracked: bool, response_id: str
+) -> StreamResume | None:
     """What a stream starts from when it may move replicas: where it resumes,
-    or for a new one its id and time; None when it cannot move (several
-    prompts or choices, an echo, prompt logprobs, a tool-call parser: state
-    another replica would not rebuild)."""
+    or for a new `tracked` one its id and time; None when it is not tracked
+    or cannot move (several prompts or choices, an echo, prompt logprobs, a
+    tool-call parser: state another replica would not rebuild)."""
     if resume is not None:
         if not resumable:
             raise InvalidParameterError("resume", "only a stream of one prompt and one choice resumes")
         return resume
-    return StreamResume(response_id, int(time.time())) if resumable else None
+    return StreamResume(response_id, int(time.time())) if resumable and tracked else None
 
 
 def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
@@ -312,15 +314,16 @@ class OpenAIServing:
     # ---- /v1/completions ----------------------------------------------------------
 
     async def create_completion(
-        self, req: CompletionRequest, request_id: str, resume: StreamResume | None = None
+        self, req: CompletionRequest, request_id: str, resume: StreamResume | None = None, tracked: bool = False
     ) -> CompletionResponse | EventStream:
         """A CompletionResponse, or with `stream` an `EventStream` of SSE strings.
 
         Raises (before any stream exists) ModelNotFoundError for an unknown
         model and InvalidParameterError/PromptTooLongError naming the field.
         Engine request ids: `request_id` for one prompt, else
-        `f"{request_id}-{prompt_index}"`. `resume`: continue a stream that
-        another replica began (`EventStream.resume` says which may).
+        `f"{request_id}-{prompt_index}"`. `tracked`: a stream that may move
+        to another replica tags its events (`EventStream.resume` is set);
+        `resume`: continue one that another replica began.
         """
         model = self._model_name(req.model)
         with _named_for(req):
@@ -328,7 +331,7 @@ class OpenAIServing:
             prompts = _completion_prompts(req.prompt)
             resumable = req.stream and len(prompts) == 1 and params.n == 1 and not req.echo
             response_id = _response_id("cmpl-", request_id)
-            progress = _stream_resume(resumable and req.prompt_logprobs is None, resume, response_id)
+            progress = _stream_resume(resumable and req.prompt_logprobs is None, resume, tracked, response_id)
         streams = await self._start(req, prompts, params, request_id, resume)
         tally = _Tally(len(prompts), params.n, keep_outputs=not req.stream, resume=resume)
         response_id = progress.response_id if progress else response_id
@@ -419,14 +422,14 @@ class OpenAIServing:
     # ---- /v1/chat/completions -------------------------------------------------------
 
     async def create_chat_completion(
-        self, req: ChatCompletionRequest, request_id: str, resume: StreamResume | None = None
+        self, req: ChatCompletionRequest, request_id: str, resume: StreamResume | None = None, tracked: bool = False
     ) -> ChatCompletionResponse | EventStream:
         """A ChatCompletionResponse, or with `stream` an `EventStream` of SSE strings.
 
         The conversation is rendered with the chat template and sent as text
         (tokenized with `req.add_special_tokens`, False by default). Errors
         are raised before any stream exists, as for `create_completion`;
-        `resume` as there.
+        `tracked` and `resume` as there.
         """
         model = self._model_name(req.model)
         with _named_for(req):
@@ -435,7 +438,7 @@ class OpenAIServing:
             prompt = await self._render_chat(req, req.template_tools())
             resumable = req.stream and params.n == 1 and tools is None and req.prompt_logprobs is None
             response_id = _response_id("chatcmpl-", request_id)
-            progress = _stream_resume(resumable, resume, response_id)
+            progress = _stream_resume(resumable, resume, tracked, response_id)
         streams = await self._start(req, [prompt], params, request_id, resume)
         tally = _Tally(1, params.n, keep_outputs=not req.stream, resume=resume)
         response_id = progress.response_id if progress else response_id
