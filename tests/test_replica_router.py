@@ -4,7 +4,14 @@ the ranking by queued work plus uncached prompt, with session affinity."""
 
 from __future__ import annotations
 
-from rayvllm.core.replica_router import RecentRoutes, ReplicaLoad, ReplicaPrefixIndex, RoutingPolicy, rank_replicas
+from rayvllm.core.replica_router import (
+    RecentRoutes,
+    ReplicaLoad,
+    ReplicaPrefixIndex,
+    RoutingPolicy,
+    SessionTable,
+    rank_replicas,
+)
 from rayvllm.messages.block_hash import hash_request_tokens, routing_key
 
 POLICY = RoutingPolicy(block_size=4, max_kv_usage=0.9, session_slack_tokens=32)
@@ -93,3 +100,21 @@ def test_a_routes_blocks_outlive_reports_until_one_taken_after_it_ended() -> Non
     assert len(recent) == 1  # req-c, on r2
     recent.forget("r2")
     assert len(recent) == 0 and recent.after_report("r2", taken_at=0.0, now=0.0) == []
+
+
+def test_a_sessions_first_choice_holds_its_replica_until_serve_says_where_it_went() -> None:
+    """Requests of a new session chosen before the first is routed follow
+    the first's choice; where a request went overrides it; a replica that
+    left frees its sessions; the least recently used go past capacity."""
+    sessions = SessionTable(capacity=2)
+    sessions.claim("s", "r1")
+    sessions.claim("s", "r2")  # a second request, chosen before the first was routed
+    assert sessions.get("s") == "r1"
+    sessions.routed("s", "r2")  # Serve fell back to r2 for the first
+    assert sessions.get("s") == "r2" and sessions.get(None) is None
+    sessions.claim("t", "r1")
+    sessions.forget("r2")
+    assert sessions.get("s") is None and sessions.get("t") == "r1"
+    sessions.routed("u", "r1")
+    sessions.routed("v", "r1")
+    assert len(sessions) == 2 and sessions.get("t") is None

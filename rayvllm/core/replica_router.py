@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +182,44 @@ class RecentRoutes:
 
     def __len__(self) -> int:
         return len(self._ended_at)
+
+
+class SessionTable:
+    """Which replica each session is on, the least recently used forgotten
+    past `capacity`.
+
+    A session's first request claims the replica it is ranked onto as soon
+    as it is chosen (`claim`), before Serve confirms where it went
+    (`routed`): the session's other requests that arrive meanwhile (a client
+    opening several streams at once) follow it instead of spreading by load.
+    Where a request actually went always wins over a claim.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._replicas: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str | None) -> str | None:
+        return self._replicas.get(session) if session is not None else None
+
+    def claim(self, session: str, replica: str) -> None:
+        """`replica`, if `session` is on none yet."""
+        if session not in self._replicas:
+            self.routed(session, replica)
+
+    def routed(self, session: str, replica: str) -> None:
+        self._replicas[session] = replica
+        self._replicas.move_to_end(session)
+        while len(self._replicas) > self.capacity:
+            self._replicas.popitem(last=False)
+
+    def forget(self, replica: str) -> None:
+        """Sessions on `replica` (it left) go wherever their next request is ranked."""
+        for session in [s for s, r in self._replicas.items() if r == replica]:
+            del self._replicas[session]
+
+    def __len__(self) -> int:
+        return len(self._replicas)
 
 
 @dataclass(frozen=True, slots=True)

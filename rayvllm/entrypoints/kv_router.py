@@ -43,6 +43,7 @@ from rayvllm.core.replica_router import (
     ReplicaLoad,
     ReplicaPrefixIndex,
     RoutingPolicy,
+    SessionTable,
     decode_report,
     rank_replicas,
     report_taken_at,
@@ -87,7 +88,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._loads: dict[str, ReplicaLoad] = {}
         self._seen_reports: dict[str, int] = {}  # replica -> id() of the report absorbed last
         self._recent = RecentRoutes(REPORT_CLOCK_SKEW_S, RECENT_ROUTE_MAX_S)
-        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._sessions = SessionTable(MAX_SESSIONS)
         self._routing: OrderedDict[str, _Routing] = OrderedDict()  # internal request id -> what routing it saw
         # Per replica, the requests and uncached prompt tokens sent there
         # since its last report and not yet ended (`_inflight`: request id ->
@@ -122,8 +123,11 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             self._routing[pending_request.metadata.internal_request_id] = _Routing(keys, session, num_tokens, hits)
             while len(self._routing) > MAX_PENDING_ROUTINGS:
                 self._routing.popitem(last=False)
-        sticky = self._sessions.get(session) if session is not None else None
+        sticky = self._sessions.get(session)
         ranks = rank_replicas(ids, num_tokens, hits, self._current_loads(ids), self._policy, sticky)
+        if session is not None and sticky is None and ranks:
+            self._sessions.claim(session, ranks[0][0])
+            sticky = ranks[0][0]
         if ranks and (hits.get(ranks[0][0], 0) > 0 or ranks[0][0] == sticky):
             # Serve moves on to the next rank as soon as a replica misses its
             # queue-length probe deadline (0.1 s at first), which a busy
@@ -149,10 +153,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             self._index.add(replica, keys)
             self._recent.add(replica, pending_request.metadata.internal_request_id, keys, time.monotonic())
         if session is not None:
-            self._sessions[session] = replica
-            self._sessions.move_to_end(session)
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            self._sessions.routed(session, replica)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         entry = self._inflight.pop(internal_request_id, None)
@@ -207,8 +208,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._drop_unreported(replica)
         self._seen_reports.pop(replica, None)
         self._recent.forget(replica)
-        for session in [s for s, r in self._sessions.items() if r == replica]:
-            del self._sessions[session]
+        self._sessions.forget(replica)
 
     def _request_keys(self, pending_request: PendingRequest | None) -> tuple[list[bytes], int, str | None]:
         """The routing keys of the prompt's full blocks (the last token is
