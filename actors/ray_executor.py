@@ -12,7 +12,6 @@ output. Steps skip Ray entirely; setup and teardown go through it.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -115,10 +114,9 @@ class RayExecutor(Executor):
             name = worker_group_name(self.dp_rank)
             self.pg, self.placements = create_worker_placement_group(pc, self.config.device, name)
             group = self.pg
-        per_node = Counter(p.node_id for p in self.placements)
         self.workers = [
             WorkerActor.options(**rank_actor_options(pc, self.config.device, group, p)).remote(
-                self.config, p.rank, per_node[p.node_id] * pc.data_parallel_size, self.dp_rank
+                self.config, p.rank, self.dp_rank
             )
             for p in self.placements
         ]

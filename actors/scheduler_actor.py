@@ -25,15 +25,16 @@ from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.local_pipe import SocketConnection
 from rayvllm.executor.uniproc import UniProcExecutor
-from rayvllm.worker.worker import cpu_threads
+from rayvllm.worker.core_share import node_cores
 
 
 def _set_threads(config: EngineConfig | None) -> None:
     """Torch threads for the calling thread (the setting is per thread):
-    the whole node's share when the model runs here, else one (scheduling
-    is single-threaded Python; more torch threads would only spin)."""
+    every core while the model it hosts loads (its worker sizes its own
+    share before each step), else one (scheduling is single-threaded
+    Python; more torch threads would only spin)."""
     hosts_model = config is not None and scheduler_hosts_worker(config.parallel_config)
-    torch.set_num_threads(cpu_threads(1) if hosts_model and config.device == "cpu" else 1)
+    torch.set_num_threads(node_cores() if hosts_model and config.device == "cpu" else 1)
 
 
 # Utility calls wait for the loop (a weight update may take long) on a

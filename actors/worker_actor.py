@@ -18,12 +18,12 @@ class WorkerActor:
     """Methods run one at a time, in the order the executor called them
     (the default actor concurrency of 1): every rank sees steps in order."""
 
-    def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int, dp_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int, dp_rank: int = 0) -> None:
         # First: `__repr__` names the actor in the error if the worker fails to build.
         self.rank = rank
         self.dp_rank = dp_rank if config.parallel_config.data_parallel_size > 1 else None
         self.channel: ChannelServer[SchedulerOutput, ModelRunnerOutput] | None = None
-        self.worker = create_worker(config, rank, ranks_on_node)
+        self.worker = create_worker(config, rank)
         self.worker.set_threads()
 
     def __repr__(self) -> str:

@@ -148,10 +148,11 @@ def peer_launch(model: str, args: argparse.Namespace, log_dir: Path) -> serving.
     """Ray Serve LLM over vLLM, in the peer environment."""
     argv = [args.vllm_python, str(BENCH / "peer_serve_llm.py"), "--model", model, "--port", str(PEER_PORT),
             "--replicas", str(args.replicas), "--max-num-seqs", str(args.max_num_seqs)]
-    # Like each rayvllm replica's engine (worker.cpu_threads): as many unpinned
-    # OpenMP threads as the node has cores (pinned, vLLM's two engines would
-    # bind the same cores).
-    threads = str(os.cpu_count() or 1)
+    # The peer's best setting for several engines on one node, and what each
+    # rayvllm replica's engine runs while all are busy (worker/core_share.py):
+    # its share of the cores, unpinned (pinned, vLLM's engines would all bind
+    # the same cores, and Serve gives every replica one environment).
+    threads = str(max(1, (os.cpu_count() or 1) // args.replicas))
     env = {**os.environ, **vllm_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads})}
     return serving.ServerLaunch(name="peer", argv=argv, env=env, cwd=str(log_dir), port=PEER_PORT,
                                 stop_signal=signal.SIGTERM, ray_stop=False, health_path="/-/healthz")

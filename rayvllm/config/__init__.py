@@ -300,6 +300,10 @@ class ParallelConfig:
     num_cpus_per_worker: float = config_field(
         "logical CPUs each CPU worker rank asks Ray for (a GPU rank asks for one GPU)", 1.0
     )
+    cpu_threads: int | None = config_field(
+        "torch threads per CPU worker rank; unset: the node's cores shared evenly among the engine ranks "
+        "stepping on it (re-read before each step)", None,
+    )
     # Past these, fail with names rather than hang.
     placement_group_timeout_s: float = config_field(
         "seconds to wait for a worker group's placement group to be placed", 300.0
@@ -321,6 +325,8 @@ class ParallelConfig:
                 "placement_group_strategy",
                 f"must be one of {', '.join(PLACEMENT_GROUP_STRATEGIES)}, got {self.placement_group_strategy!r}",
             )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise InvalidParameterError("cpu_threads", f"must be >= 1, got {self.cpu_threads}")
         for name in ("num_cpus_per_worker", "placement_group_timeout_s", "distributed_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, f"must be > 0, got {getattr(self, name)}")

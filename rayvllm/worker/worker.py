@@ -8,7 +8,6 @@ the in-process executor holds one directly."""
 from __future__ import annotations
 
 import importlib
-import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,6 +25,7 @@ from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.model_runner import ModelRunner
 from rayvllm.models.loader import checkpoint_spec
+from rayvllm.worker.core_share import CoreShare
 from rayvllm.worker.extensions import create_model_runner
 from rayvllm.worker.weight_transfer import WeightReceiver
 
@@ -36,19 +36,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_threads(ranks_on_node: int) -> int:
-    """Torch threads for one of `ranks_on_node` ranks sharing a node's cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_node))
-
-
 class Worker:
     """Rank `rank` of a group of `tp * pp` ranks (rank = pp_rank * tp + tp_rank).
 
-    On the CPU the rank takes an equal share of the node's cores
-    (`ranks_on_node` ranks share them), since oversubscribed OpenMP
-    pools stall each other at every barrier."""
+    On the CPU the rank runs `cpu_threads` torch threads where the config
+    fixes them, else an equal share of the cores among the engine ranks
+    busy on its node (core_share.py), re-read before each step."""
 
-    def __init__(self, config: EngineConfig, rank: int, ranks_on_node: int = 1) -> None:
+    def __init__(self, config: EngineConfig, rank: int) -> None:
         pc = config.parallel_config
         self.config = config
         self.rank = rank
@@ -59,15 +54,20 @@ class Worker:
             pp_rank=rank // pc.tensor_parallel_size,
             pp_size=pc.pipeline_parallel_size,
         )
-        self.num_threads = cpu_threads(ranks_on_node)
+        on_cpu_unfixed = config.device == "cpu" and pc.cpu_threads is None
+        self.core_share = CoreShare() if on_cpu_unfixed else None
         self.runner: ModelRunner | None = None
         self.weight_receiver: WeightReceiver | None = None
 
     def set_threads(self) -> None:
         """Size the calling thread's torch/OpenMP pool (the setting is per
         thread, and Ray presets OMP_NUM_THREADS to the actor's CPU request)."""
-        if self.config.device == "cpu":
-            torch.set_num_threads(self.num_threads)
+        if self.config.device != "cpu":
+            return
+        fixed = self.config.parallel_config.cpu_threads
+        threads = fixed if fixed is not None else self.core_share.threads()  # type: ignore[union-attr]
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     # ---- process groups ----------------------------------------------------------
 
@@ -129,6 +129,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
+        # Each step: other engines on the node may have started or stopped
+        # stepping, and an in-process engine's loop thread starts with its
+        # caller's count.
+        self.set_threads()
         return self.runner.execute_model(scheduler_output)
 
     # ---- collective_rpc -----------------------------------------------------------
@@ -203,21 +207,23 @@ class Worker:
             self.runner.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.core_share is not None:
+            self.core_share.close()
 
 
-def create_worker(config: EngineConfig, rank: int, ranks_on_node: int = 1) -> Worker:
+def create_worker(config: EngineConfig, rank: int) -> Worker:
     """Rank `rank`'s worker, with the methods of `worker_extension_cls`
     (vLLM's name) mixed in when the config names one; an extension may
     add methods, never replace the worker's own."""
     name = config.parallel_config.worker_extension_cls
     if name is None:
-        return Worker(config, rank, ranks_on_node)
+        return Worker(config, rank)
     extension = _import_class(name)
     clashes = sorted(n for n in vars(extension) if not n.startswith("__") and hasattr(Worker, n))
     if clashes:
         raise InvalidParameterError("worker_extension_cls", f"{name} redefines the worker's {', '.join(clashes)}")
     cls = type(f"{extension.__name__}Worker", (Worker, extension), {})
-    return cls(config, rank, ranks_on_node)
+    return cls(config, rank)
 
 
 def _import_class(name: str) -> type:

@@ -1,0 +1,91 @@
+"""How many torch threads a CPU rank runs: the node's cores shared evenly
+among the engine ranks busy on it.
+
+Engines on one node do not know of each other: two Serve replicas, a batch
+replica beside a server, an offline `LLM` beside either. Each sizing its
+OpenMP pool to every core oversubscribes the cores, and OpenMP pools that
+share cores stall each other at every barrier (docs/BENCHMARKS.md, the
+two-replica runs). So each rank keeps a file in a node-local directory,
+touched while it steps, and sizes its pool to ``cores // busy ranks``. A
+rank idle for `BUSY_WINDOW_S` stops counting, so an engine busy alone gets
+every core back; the file of a rank whose process died is removed by
+whichever rank notices.
+
+Invariant: a rank counts itself, so `threads()` is between 1 and `cores`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import time
+from pathlib import Path
+
+# A rank that has not stepped for this long is idle; the directory is read
+# at most every REFRESH_S per rank.
+BUSY_WINDOW_S = 1.0
+REFRESH_S = 0.25
+_DIRECTORY_NAME = "rayvllm-busy-ranks"
+_rank_ids = itertools.count()
+
+
+def node_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's
+    or a `taskset`'s limit, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class CoreShare:
+    """One rank's share of its node's cores; `threads()` before each step."""
+
+    def __init__(self, directory: Path | None = None, cores: int | None = None) -> None:
+        self.directory = directory or Path(tempfile.gettempdir()) / _DIRECTORY_NAME
+        self.cores = cores or node_cores()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._file = self.directory / f"{os.getpid()}.{next(_rank_ids)}"
+        self._file.touch()
+        os.utime(self._file, (0, 0))  # idle until its first step
+        self._checked_at = -float("inf")
+        self._threads = self.cores
+
+    def threads(self, now: float | None = None) -> int:
+        """Mark this rank busy and return its thread count (re-read from the
+        directory at most every `REFRESH_S`)."""
+        now = time.time() if now is None else now
+        if now - self._checked_at >= REFRESH_S:
+            self._checked_at = now
+            self._file.touch()  # again, should someone have removed it
+            os.utime(self._file, (now, now))
+            self._threads = max(1, self.cores // max(1, self._busy(now)))
+        return self._threads
+
+    def close(self) -> None:
+        self._file.unlink(missing_ok=True)
+
+    def _busy(self, now: float) -> int:
+        busy = 0
+        for entry in os.scandir(self.directory):
+            try:
+                pid = int(entry.name.split(".", 1)[0])
+                touched = entry.stat().st_mtime
+            except (ValueError, FileNotFoundError):
+                continue  # not ours, or gone meanwhile
+            if not _alive(pid):
+                Path(entry.path).unlink(missing_ok=True)
+            elif now - touched < BUSY_WINDOW_S:
+                busy += 1
+        return busy

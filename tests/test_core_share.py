@@ -1,0 +1,75 @@
+"""A CPU rank's torch threads (rayvllm/worker/core_share.py): the node's
+cores shared among the engine ranks stepping on it, every core back to a
+rank busy alone, and a dead rank's file removed; `cpu_threads` fixes them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayvllm.worker.core_share import BUSY_WINDOW_S, REFRESH_S, CoreShare
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_busy_ranks_share_the_cores_and_an_idle_or_dead_one_gives_its_share_back(tmp_path: Path) -> None:
+    a = CoreShare(tmp_path, cores=8)
+    assert a.threads(now=100.0) == 8  # alone
+    b = CoreShare(tmp_path, cores=8)
+    c = CoreShare(tmp_path, cores=8)
+    assert b.threads(now=100.1) == 8 // 2  # a and b stepped within the window
+    assert a.threads(now=100.1 + REFRESH_S / 2) == 8  # not re-read yet
+    assert c.threads(now=100.2) == 8 // 3
+    assert a.threads(now=100.2 + REFRESH_S) == 8 // 3
+    # b and c stop stepping: a, still busy, gets every core back once the window passes.
+    assert a.threads(now=100.2 + BUSY_WINDOW_S + REFRESH_S) == 8
+    # A rank whose process died without closing: its file goes, it never counts.
+    dead = tmp_path / f"{_dead_pid()}.0"
+    dead.touch()
+    os.utime(dead, (200.0, 200.0))
+    assert a.threads(now=200.0) == 8 and not dead.exists()
+    for share in (a, b, c):
+        share.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_more_busy_ranks_than_cores_each_run_one_thread(tmp_path: Path) -> None:
+    shares = [CoreShare(tmp_path, cores=2) for _ in range(3)]
+    assert [s.threads(now=50.0) for s in shares] == [2, 1, 1]  # each sees those that stepped before it
+    assert [s.threads(now=50.0 + REFRESH_S) for s in shares] == [1, 1, 1]
+
+
+def test_a_workers_step_sizes_its_threads_and_cpu_threads_fixes_them(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from rayvllm import EngineArgs
+    from rayvllm.worker.worker import Worker
+
+    previous = torch.get_num_threads()
+    try:
+        fixed = Worker(EngineArgs(model=str(tiny_model_dir), cpu_threads=1).create_engine_config(), rank=0)
+        assert fixed.core_share is None
+        torch.set_num_threads(2)
+        fixed.set_threads()
+        assert torch.get_num_threads() == 1
+        shared = Worker(EngineArgs(model=str(tiny_model_dir)).create_engine_config(), rank=0)
+        assert shared.core_share is not None
+        shared.core_share.close()
+        shared.core_share = CoreShare(tmp_path, cores=2)  # a directory no other engine steps in
+        other = CoreShare(tmp_path, cores=2)
+        other.threads()
+        shared.set_threads()
+        assert torch.get_num_threads() == 1
+        other.close()
+        shared.core_share.close()
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineArgs(model=str(tiny_model_dir), cpu_threads=0).create_engine_config()
