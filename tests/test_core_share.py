@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from rayvllm.worker.core_share import BUSY_WINDOW_S, REFRESH_S, CoreShare
+from rayvllm.worker.core_share import BUSY_WINDOW_S, REFRESH_S, CoreShare, default_directory
 
 
 def _dead_pid() -> int:
@@ -73,3 +74,21 @@ def test_a_workers_step_sizes_its_threads_and_cpu_threads_fixes_them(tmp_path: P
         torch.set_num_threads(previous)
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineArgs(model=str(tiny_model_dir), cpu_threads=0).create_engine_config()
+
+
+def test_an_in_process_engines_steps_mark_its_rank_busy(tiny_model_dir: Path) -> None:
+    """The engine's own step path (not only a direct call) keeps its rank's
+    file fresh in the node's directory, where other engines count it."""
+    from rayvllm import LLM, SamplingParams
+
+    mine = f"{os.getpid()}."
+    directory = default_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    before = {p.name for p in directory.iterdir() if p.name.startswith(mine)}
+    llm = LLM(model=str(tiny_model_dir))
+    start = time.time()
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0))
+    touched = [p for p in directory.iterdir() if p.name.startswith(mine) and p.name not in before]
+    assert len(touched) == 1 and touched[0].stat().st_mtime >= start - 1
+    llm.shutdown()
+    assert not touched[0].exists()

@@ -28,7 +28,7 @@ class UniProcExecutor(Executor):
         return self.worker.runner
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        return self.worker.execute_model(scheduler_output)
 
     def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -39,6 +39,11 @@ def node_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_directory() -> Path:
+    """Where the ranks of this node (this machine's temporary directory) keep their files."""
+    return Path(tempfile.gettempdir()) / _DIRECTORY_NAME
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -53,7 +58,7 @@ class CoreShare:
     """One rank's share of its node's cores; `threads()` before each step."""
 
     def __init__(self, directory: Path | None = None, cores: int | None = None) -> None:
-        self.directory = directory or Path(tempfile.gettempdir()) / _DIRECTORY_NAME
+        self.directory = directory or default_directory()
         self.cores = cores or node_cores()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file = self.directory / f"{os.getpid()}.{next(_rank_ids)}"
