@@ -115,26 +115,37 @@ def reserved_worker_placements(
 
 
 def create_worker_placement_group(
-    parallel_config: ParallelConfig, device: str, name: str
+    parallel_config: ParallelConfig, device: str, name: str,
+    pending: PlacementGroup | None = None, keep_on_timeout: bool = False,
 ) -> tuple[PlacementGroup, list[RankPlacement]]:
     """Reserve one worker group and map its ranks to bundles.
 
     Waits at most ``placement_group_timeout_s``; on timeout or on a layout
-    that splits a TP group across nodes, the placement group is removed and
-    ``PlacementError`` names what was asked for and what the cluster has."""
+    that splits a TP group across nodes, ``PlacementError`` names what was
+    asked for and what the cluster has. The group is removed on timeout,
+    unless `keep_on_timeout`: then the error's `pending_group` holds it,
+    for the caller's next try to wait on again (`pending`) instead of
+    making one: one steady demand for an autoscaler while a restart waits
+    for room, and no removal racing Ray's placement of it (a group removed
+    just as a joining node took its bundles left that node's CPUs reserved
+    for good)."""
     bundles = worker_bundles(parallel_config, device)
     strategy = parallel_config.placement_group_strategy
     timeout_s = parallel_config.placement_group_timeout_s
-    pg = placement_group(bundles, strategy=strategy, name=name)
+    pg = pending if pending is not None else placement_group(bundles, strategy=strategy, name=name)
     # ray.wait with a timeout, never a bare ray.get: an unplaceable group must
     # fail loudly instead of hanging the engine start.
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
-        remove_placement_group(pg)
-        raise PlacementError(
+        error = PlacementError(
             f"placement group {name!r} was not placed within {timeout_s:g}s: "
             f"{_describe_request(bundles, strategy)}; {_describe_cluster(bundles, strategy)}"
         )
+        if keep_on_timeout:
+            error.pending_group = pg
+        else:
+            remove_placement_group(pg)
+        raise error
     try:
         placements = assign_ranks(
             bundle_nodes=_bundle_nodes(pg, len(bundles)),
@@ -178,10 +189,13 @@ def scheduler_hosts_worker(parallel_config: ParallelConfig) -> bool:
 
 
 def scheduler_actor_options(
-    parallel_config: ParallelConfig, device: str, reserved_pg: PlacementGroup | None
+    parallel_config: ParallelConfig, device: str, reserved_pg: PlacementGroup | None,
+    pending: PlacementGroup | None = None,
 ) -> tuple[dict[str, Any], PlacementGroup | None]:
     """``SchedulerActor.options(**...)``, and the placement group made for it
-    (None if none was; the caller removes it at shutdown). A scheduler that
+    (None if none was; the caller removes it at shutdown). A group that is
+    not placed in time stays, in the `PlacementError`, for the caller to
+    pass back as `pending` or remove. A scheduler that
     hosts the worker takes that worker's bundle and resources: bundle 1 of
     the replica's group laid out by `deployment_bundles`, or a group of its
     own. Otherwise it asks for no CPU and sits in the replica's bundle, or
@@ -191,7 +205,7 @@ def scheduler_actor_options(
             placement = reserved_worker_placements(reserved_pg, parallel_config, 0)[0]
             return rank_actor_options(parallel_config, device, reserved_pg, placement), None
         name = f"rayvllm-engine-{uuid.uuid4().hex[:8]}"
-        pg, placements = create_worker_placement_group(parallel_config, device, name)
+        pg, placements = create_worker_placement_group(parallel_config, device, name, pending, keep_on_timeout=True)
         return rank_actor_options(parallel_config, device, pg, placements[0]), pg
     if reserved_pg is not None:
         strategy: Any = PlacementGroupSchedulingStrategy(reserved_pg, placement_group_bundle_index=0)

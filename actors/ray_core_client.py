@@ -10,6 +10,7 @@ a thread.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ from rayvllm.config import EngineConfig, ParallelConfig
 from rayvllm.distributed.rpc_channel import connect
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.local_pipe import CoreConnection, SocketConnection
-from rayvllm.messages.errors import EngineDeadError
+from rayvllm.messages.errors import EngineDeadError, PlacementError
 
 
 def ensure_ray_initialized(pc: ParallelConfig) -> None:
@@ -55,14 +56,33 @@ class RayEngineCoreClient(EngineCoreClient):
         self.reserved_pg = reserved_pg
         self.actor: Any = None
         self._pg: Any = None
-        self._start()
+        # A group a start found no room for: the next start waits on it
+        # again (placement.py says why); removed at shutdown.
+        self._waiting_pg: Any = None
+        self._waiting_lock = threading.Lock()
+        self._shut = False
+        try:
+            self._start()
+        except BaseException:
+            self._drop_waiting_group()
+            raise
 
     def _launch(self) -> CoreConnection:
         """Start a SchedulerActor (and through it the workers) and connect
         to its loop."""
         pc = self.config.parallel_config
         ensure_ray_initialized(pc)
-        options, self._pg = scheduler_actor_options(pc, self.config.device, self.reserved_pg)
+        with self._waiting_lock:
+            pending, self._waiting_pg = self._waiting_pg, None
+        try:
+            options, self._pg = scheduler_actor_options(pc, self.config.device, self.reserved_pg, pending)
+        except PlacementError as e:
+            with self._waiting_lock:
+                if not self._shut:
+                    self._waiting_pg, e.pending_group = e.pending_group, None
+            if e.pending_group is not None:  # shut down meanwhile
+                remove_worker_placement_group(e.pending_group)
+            raise
         self.actor = SchedulerActor.options(**options).remote()
         self.config.cache_config.num_blocks = ray.get(self.actor.start.remote(self.config, self.reserved_pg))
         return SocketConnection(connect(*ray.get(self.actor.open_stream.remote())))
@@ -85,6 +105,17 @@ class RayEngineCoreClient(EngineCoreClient):
         if self._pg is not None:
             remove_worker_placement_group(self._pg)
             self._pg = None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._drop_waiting_group()
+
+    def _drop_waiting_group(self) -> None:
+        with self._waiting_lock:
+            self._shut = True
+            pg, self._waiting_pg = self._waiting_pg, None
+        if pg is not None:
+            remove_worker_placement_group(pg)
 
     def check_health(self) -> None:
         actor = self.actor

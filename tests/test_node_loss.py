@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 
 ray = pytest.importorskip("ray")
 
@@ -107,19 +108,30 @@ def test_without_room_requests_wait_until_a_node_returns(
         [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
     llm.shutdown()
 
-    async def main() -> tuple[list[list[int]], str]:
+    async def main() -> tuple[list[list[int]], str, list[bool]]:
         engine = async_llm_from_engine_args(EngineArgs(
             model=str(tiny_model_dir), distributed_executor_backend="ray", placement_group_timeout_s=2, **ENGINE
         ))
         try:
             tokens: list[list[int]] = [[] for _ in PROMPTS]
             health: list[str] = []
+            kept_its_group: list[bool] = []
+
+            def engine_groups() -> set[str]:
+                return {g for g, info in ray.util.placement_group_table().items()
+                        if info["name"].startswith("rayvllm-engine-")}
+
+            async def waits(n: int) -> None:
+                while engine.restarts.restarting_since is None or engine.restarts.placement_waits < n:
+                    await asyncio.sleep(0.05)  # polling another thread's state change
 
             async def restore() -> None:
-                # Wait for the engine to notice, and to have found no room at
-                # least once (so the attempt after that one is exercised too).
-                while engine.restarts.restarting_since is None or not engine.restarts.placement_waits:
-                    await asyncio.sleep(0.05)  # polling another thread's state change
+                # Wait for the engine to notice and find no room twice: the
+                # second try waits on the group the first made, none new.
+                await waits(1)
+                groups = engine_groups()
+                await waits(2)
+                kept_its_group.append(engine_groups() == groups)
                 try:
                     await engine.check_health()
                 except EngineDeadError as e:
@@ -134,10 +146,11 @@ def test_without_room_requests_wait_until_a_node_returns(
                         asyncio.ensure_future(restore())
 
             await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
-            return tokens, health[0]
+            return tokens, health[0], kept_its_group
         finally:
             engine.shutdown()
 
-    tokens, health = asyncio.run(main())
+    tokens, health, kept_its_group = asyncio.run(main())
+    assert kept_its_group == [True]
     assert "restarting" in health
     assert tokens == expected

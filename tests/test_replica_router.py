@@ -5,6 +5,7 @@ the ranking by queued work plus uncached prompt, with session affinity."""
 from __future__ import annotations
 
 from rayvllm.core.replica_router import (
+    InflightTally,
     RecentRoutes,
     ReplicaLoad,
     ReplicaPrefixIndex,
@@ -118,3 +119,22 @@ def test_a_sessions_first_choice_holds_its_replica_until_serve_says_where_it_wen
     sessions.routed("u", "r1")
     sessions.routed("v", "r1")
     assert len(sessions) == 2 and sessions.get("t") is None
+
+
+def test_a_routed_request_counts_until_it_ends_or_a_report_taken_after_it() -> None:
+    """A report taken before a request was routed (however late it arrives)
+    leaves the request's tokens counted on its replica; one taken after it
+    drops them, as does the request's end or its replica leaving."""
+    tally = InflightTally()
+    tally.add("a", "r1", 100, now=10.0)
+    tally.add("b", "r1", 40, now=12.0)
+    tally.add("c", "r2", 7, now=12.0)
+    tally.after_report("r1", taken_at=9.0)  # taken before both: a late arrival
+    assert tally.load("r1") == (2, 140)
+    tally.after_report("r1", taken_at=11.0)  # covers "a" only
+    assert tally.load("r1") == (1, 40)
+    tally.ended("b")
+    tally.ended("b")  # twice (Serve's word after a report's): counted off once
+    assert tally.load("r1") == (0, 0) and tally.load("r2") == (1, 7)
+    tally.forget("r2")
+    assert tally.load("r2") == (0, 0) and len(tally) == 0

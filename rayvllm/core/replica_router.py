@@ -184,6 +184,51 @@ class RecentRoutes:
         return len(self._ended_at)
 
 
+class InflightTally:
+    """Per replica, the requests a router sent there that its last report
+    does not count yet, and their uncached prompt tokens: the load to add to
+    that report, so a burst spreads before the reports catch up.
+
+    A request counts until it ends or a report taken after it was routed
+    arrives (that report shows it queued, running or done). A report taken
+    before it, even one that reaches the router later, leaves it counted.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[str, tuple[str, int, float]] = {}  # id -> replica, tokens, routed at (wall clock)
+        self._totals: dict[str, tuple[int, int]] = {}  # replica -> requests, tokens
+
+    def add(self, request: str, replica: str, tokens: int, now: float) -> None:
+        self._requests[request] = (replica, tokens, now)
+        self._count(replica, 1, tokens)
+
+    def ended(self, request: str) -> None:
+        entry = self._requests.pop(request, None)
+        if entry is not None:
+            self._count(entry[0], -1, -entry[1])
+
+    def after_report(self, replica: str, taken_at: float) -> None:
+        for request in [r for r, (rep, _, at) in self._requests.items() if rep == replica and at <= taken_at]:
+            self.ended(request)
+
+    def forget(self, replica: str) -> None:
+        self.after_report(replica, math.inf)
+
+    def load(self, replica: str) -> tuple[int, int]:
+        """(requests, prompt tokens) sent to `replica` beyond its last report."""
+        return self._totals.get(replica, (0, 0))
+
+    def _count(self, replica: str, requests: int, tokens: int) -> None:
+        had_requests, had_tokens = self._totals.get(replica, (0, 0))
+        if had_requests + requests == 0:
+            self._totals.pop(replica, None)
+        else:
+            self._totals[replica] = (had_requests + requests, had_tokens + tokens)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+
 class SessionTable:
     """Which replica each session is on, the least recently used forgotten
     past `capacity`.

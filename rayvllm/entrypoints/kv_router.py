@@ -10,8 +10,8 @@ work plus uncached prompt (`rank_replicas`). A request it sends somewhere
 counts there at once: its blocks, so a follow-up routed before the next
 report finds them (they are kept over reports until one taken after the
 request ended, which shows them or their eviction), and its uncached
-prompt as queued work until it ends or the replica's next report covers
-it, so a burst spreads before the reports catch up. A report replaces what
+prompt as queued work until it ends or a report taken after it was routed
+arrives (`InflightTally`), so a burst spreads before the reports catch up. A report replaces what
 the replica held (its evictions included), and a replica that left is
 forgotten. Routing never waits for a report: a
 replica without one counts as idle and empty.
@@ -39,6 +39,7 @@ from ray.serve.request_router import (
 )
 
 from rayvllm.core.replica_router import (
+    InflightTally,
     RecentRoutes,
     ReplicaLoad,
     ReplicaPrefixIndex,
@@ -90,11 +91,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._recent = RecentRoutes(REPORT_CLOCK_SKEW_S, RECENT_ROUTE_MAX_S)
         self._sessions = SessionTable(MAX_SESSIONS)
         self._routing: OrderedDict[str, _Routing] = OrderedDict()  # internal request id -> what routing it saw
-        # Per replica, the requests and uncached prompt tokens sent there
-        # since its last report and not yet ended (`_inflight`: request id ->
-        # replica, tokens): a burst spreads before the reports catch up.
-        self._unreported: dict[str, tuple[int, int]] = {}
-        self._inflight: dict[str, tuple[str, int]] = {}
+        self._inflight = InflightTally()
 
     # ---- Serve's hooks ---------------------------------------------------------------
 
@@ -147,8 +144,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         # Its prompt counts as queued there until it ends or the replica's
         # next report covers it.
         uncached = max(routing.num_tokens - routing.hits.get(replica, 0) * self._policy.block_size, 0)
-        self._inflight[pending_request.metadata.internal_request_id] = (replica, uncached)
-        self._tally(replica, 1, uncached)
+        self._inflight.add(pending_request.metadata.internal_request_id, replica, uncached, time.time())
         if keys:
             self._index.add(replica, keys)
             self._recent.add(replica, pending_request.metadata.internal_request_id, keys, time.monotonic())
@@ -156,9 +152,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             self._sessions.routed(session, replica)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        entry = self._inflight.pop(internal_request_id, None)
-        if entry is not None:
-            self._tally(entry[0], -1, -entry[1])
+        self._inflight.ended(internal_request_id)
         self._recent.ended(internal_request_id, time.time())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
@@ -176,7 +170,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._seen_reports[rid] = id(report)
         load, keys = decode_report(report)
         self._loads[rid] = load
-        self._drop_unreported(rid)
+        self._inflight.after_report(rid, report_taken_at(report))
         self._index.replace(rid, keys)
         for routed in self._recent.after_report(rid, report_taken_at(report), time.monotonic()):
             self._index.add(rid, routed)
@@ -186,26 +180,16 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         loads = {}
         for replica in replicas:
             load = self._loads.get(replica, ReplicaLoad())
-            requests, tokens = self._unreported.get(replica, (0, 0))
+            requests, tokens = self._inflight.load(replica)
             loads[replica] = replace(
                 load, num_waiting=load.num_waiting + requests, num_queued_tokens=load.num_queued_tokens + tokens
             )
         return loads
 
-    def _tally(self, replica: str, requests: int, tokens: int) -> None:
-        had_requests, had_tokens = self._unreported.get(replica, (0, 0))
-        self._unreported[replica] = (had_requests + requests, had_tokens + tokens)
-
-    def _drop_unreported(self, replica: str) -> None:
-        """A report of `replica` covers what was sent there before it."""
-        self._unreported.pop(replica, None)
-        for request in [r for r, (rep, _) in self._inflight.items() if rep == replica]:
-            del self._inflight[request]
-
     def _forget(self, replica: str) -> None:
         self._index.forget(replica)
         self._loads.pop(replica, None)
-        self._drop_unreported(replica)
+        self._inflight.forget(replica)
         self._seen_reports.pop(replica, None)
         self._recent.forget(replica)
         self._sessions.forget(replica)

@@ -115,10 +115,13 @@ class RequestTooLargeError(RayvllmError):
 
 class PlacementError(RayvllmError):
     """A worker group's placement group could not be placed in time; the
-    message names the bundles asked for and what the cluster has free."""
+    message names the bundles asked for and what the cluster has free.
+    `pending_group`: the group, left in place for a caller that waits on it
+    again (None where it was removed)."""
 
     status_code = 503
     error_type = "service_unavailable"
+    pending_group: Any = None
 
 
 class DistributedInitError(RayvllmError):
