@@ -92,3 +92,26 @@ def test_an_in_process_engines_steps_mark_its_rank_busy(tiny_model_dir: Path) ->
     assert len(touched) == 1 and touched[0].stat().st_mtime >= start - 1
     llm.shutdown()
     assert not touched[0].exists()
+
+
+def test_the_directory_is_shared_by_every_user_or_falls_back_to_this_users_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made here: writable by all and sticky, as /tmp. One another user
+    made without that mode (not writable here): this user's own beside it."""
+    shared = CoreShare(tmp_path / "ranks", cores=2)
+    assert (shared.directory.stat().st_mode & 0o7777) == 0o1777
+    shared.close()
+    from rayvllm.worker import core_share
+
+    make = core_share._make_shared_directory
+
+    def not_ours(directory: Path) -> None:
+        if directory.name == "locked":
+            raise PermissionError(13, "Permission denied", str(directory))
+        make(directory)
+
+    monkeypatch.setattr(core_share, "_make_shared_directory", not_ours)
+    own = CoreShare(tmp_path / "locked", cores=2)
+    assert own.directory == tmp_path / f"locked-{os.getuid()}" and own.threads(now=1.0) == 2
+    own.close()

@@ -16,6 +16,7 @@ Invariant: a rank counts itself, so `threads()` is between 1 and `cores`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
@@ -44,6 +45,17 @@ def default_directory() -> Path:
     return Path(tempfile.gettempdir()) / _DIRECTORY_NAME
 
 
+def _make_shared_directory(directory: Path) -> None:
+    """`directory`, writable by every user of the node and sticky (each
+    removes only its own files, as in /tmp): engines run by different users
+    (a cluster launcher's user beside a local one) share the cores too."""
+    try:
+        directory.mkdir(parents=True)
+    except FileExistsError:
+        return
+    directory.chmod(0o1777)  # mkdir's mode is cut by the umask
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -60,9 +72,16 @@ class CoreShare:
     def __init__(self, directory: Path | None = None, cores: int | None = None) -> None:
         self.directory = directory or default_directory()
         self.cores = cores or node_cores()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._file = self.directory / f"{os.getpid()}.{next(_rank_ids)}"
-        self._file.touch()
+        name = f"{os.getpid()}.{next(_rank_ids)}"
+        try:
+            _make_shared_directory(self.directory)
+            (self.directory / name).touch()
+        except PermissionError:
+            # Another user made it without the shared mode: count with this user's engines only.
+            self.directory = self.directory.with_name(f"{self.directory.name}-{os.getuid()}")
+            _make_shared_directory(self.directory)
+            (self.directory / name).touch()
+        self._file = self.directory / name
         os.utime(self._file, (0, 0))  # idle until its first step
         self._checked_at = -float("inf")
         self._threads = self.cores
@@ -90,7 +109,8 @@ class CoreShare:
             except (ValueError, FileNotFoundError):
                 continue  # not ours, or gone meanwhile
             if not _alive(pid):
-                Path(entry.path).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # another user's, in the sticky directory
+                    Path(entry.path).unlink()
             elif now - touched < BUSY_WINDOW_S:
                 busy += 1
         return busy
