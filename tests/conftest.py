@@ -123,21 +123,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     }
 
 
-@pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
-def group_shared_users(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (pyproject runs the suite on two workers, `--dist
-    loadgroup`), the tests that use a shared cluster or server form one
-    group, which one worker runs, so each still starts once; every other
-    module is a group of its own (xdist would spread its tests one by one,
-    and each worker would set up the module's fixtures). First, so xdist
-    sees the marks."""
-    if not config.pluginmanager.has_plugin("xdist"):
-        return  # e.g. the GPU machine's pytest
-    for item in items:
-        shared = [name for name in _SHARED if _uses(item, name)]
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else _module(item)))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """After the last module that uses a shared cluster or server (its

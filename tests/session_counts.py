@@ -73,18 +73,6 @@ def pytest_configure(config: pytest.Config) -> None:
     subprocess.Popen.__init__ = counting_popen  # type: ignore[method-assign]
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """An xdist worker hands its counts to the controller, which prints them."""
-    output = getattr(session.config, "workeroutput", None)
-    if output is not None:
-        output["session_counts"] = dict(_COUNTS)
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist
-def pytest_testnodedown(node: Any, error: Any) -> None:
-    _COUNTS.update(getattr(node, "workeroutput", {}).get("session_counts", {}))
-
-
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if _COUNTS:
         terminalreporter.write_sep("-", "started by this session")
