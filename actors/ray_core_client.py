@@ -77,11 +77,7 @@ class RayEngineCoreClient(EngineCoreClient):
         try:
             options, self._pg = scheduler_actor_options(pc, self.config.device, self.reserved_pg, pending)
         except PlacementError as e:
-            with self._waiting_lock:
-                if not self._shut:
-                    self._waiting_pg, e.pending_group = e.pending_group, None
-            if e.pending_group is not None:  # shut down meanwhile
-                remove_worker_placement_group(e.pending_group)
+            self._keep_waiting(e.pending_group)
             raise
         self.actor = SchedulerActor.options(**options).remote()
         self.config.cache_config.num_blocks = ray.get(self.actor.start.remote(self.config, self.reserved_pg))
@@ -109,6 +105,16 @@ class RayEngineCoreClient(EngineCoreClient):
     def shutdown(self) -> None:
         super().shutdown()
         self._drop_waiting_group()
+
+    def _keep_waiting(self, pg: Any) -> None:
+        """`pg` for the next start to wait on; removed at once if the
+        client shut down meanwhile."""
+        with self._waiting_lock:
+            if not self._shut:
+                self._waiting_pg = pg
+                return
+        if pg is not None:
+            remove_worker_placement_group(pg)
 
     def _drop_waiting_group(self) -> None:
         with self._waiting_lock:

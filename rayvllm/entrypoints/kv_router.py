@@ -10,11 +10,11 @@ work plus uncached prompt (`rank_replicas`). A request it sends somewhere
 counts there at once: its blocks, so a follow-up routed before the next
 report finds them (they are kept over reports until one taken after the
 request ended, which shows them or their eviction), and its uncached
-prompt as queued work until it ends or a report taken after it was routed
-arrives (`InflightTally`), so a burst spreads before the reports catch up. A report replaces what
-the replica held (its evictions included), and a replica that left is
-forgotten. Routing never waits for a report: a
-replica without one counts as idle and empty.
+prompt as queued work until it ends or a report taken after it was
+routed arrives (`InflightTally`), so a burst spreads before the reports
+catch up. A report replaces what the replica held (its evictions
+included), and a replica that left is forgotten. Routing never waits for
+a report: a replica without one counts as idle and empty.
 
 The router reads a request's prompt and session from the call's
 arguments: a Python handle call's (`handle.generate.remote(prompt, params,
@@ -141,8 +141,8 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             return
         keys, session = routing.keys, routing.session
         replica = replica_id.unique_id
-        # Its prompt counts as queued there until it ends or the replica's
-        # next report covers it.
+        # Its prompt counts as queued there until it ends or a report taken
+        # after now arrives.
         uncached = max(routing.num_tokens - routing.hits.get(replica, 0) * self._policy.block_size, 0)
         self._inflight.add(pending_request.metadata.internal_request_id, replica, uncached, time.time())
         if keys:
