@@ -14,10 +14,13 @@
 # against transformers (qwen3-0.6b preset). Then the Triton kernel tests at
 # full size (attention, KV write, the fused elementwise kernels), the
 # attention-backend, CUDA-graph, GPU-setup and Ray-free test files side by
-# side, the roofline at batch 256 with graphs and the roofline in eager mode. No step runs past GPU_PROOF_BUDGET_S (500 s) from
+# side, the roofline at batch 256 with graphs, the roofline in eager mode and
+# the attention kernel alone across its launch choices. No step runs past GPU_PROOF_BUDGET_S (500 s) from
 # the start. A failing step is recorded and the next one runs.
 # GPU_PROOF_STEPS=kernels,throughput runs only those steps (to re-run what
-# failed).
+# failed). GPU_PROOF_PROFILE=1 adds each roofline step's torch.profiler and
+# cProfile tables (data/NAME.profile.txt), to see where a step off its
+# floor spends its time.
 #
 # Output: summary.md (each step's status, wall time and note, with the
 # versions), tables.md (every table the benches printed), versions.txt, and
@@ -40,7 +43,7 @@ DEST=""
 for arg in "$@"; do
     case $arg in
         --smoke) SMOKE=1 ;;
-        -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,37p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) DEST=$arg ;;
     esac
 done
@@ -72,7 +75,7 @@ mkdir -p "$STEPS"
 # The essentials first (parity, the decode roofline at batch 64 with
 # graphs, throughput against transformers), then the rest.
 ORDER=(setup gpu-parity roofline-graphs throughput kernels attention-backends cuda-graph gpu-setup ray-free
-       roofline-graphs-256 roofline-eager)
+       roofline-graphs-256 roofline-eager attention-sweep)
 START=$(date +%s)
 
 export PYTHONPATH="$REPO/bench/srcpath${PYTHONPATH:+:$PYTHONPATH}"
@@ -304,12 +307,14 @@ if [ "$SMOKE" = 1 ]; then
     DEVICE=cpu
     B_FIRST=2 B_LATER=3
     ROOFLINE=(--preset tiny --context-len 12 --steps 2 --warmup-steps 1 --copy-mib 8)
+    SWEEP=(--batch-sizes 2 --context-len 20 --splits 1,2 --block-n 16 --iters 1 --copy-mib 8)
     THROUGHPUT=(--preset tiny --engines rayvllm,transformers --num-seqs 4 --min-len 8 --max-len 16)
 else
     K_KERNELS=() K_BACKENDS=() K_GRAPHS=() K_SETUP=()
     DEVICE=cuda
     B_FIRST=64 B_LATER=256
     ROOFLINE=(--preset qwen3-0.6b)
+    SWEEP=()
     # Issue 5's request shape (100-1024 tokens in and out) on 128 requests,
     # one timed round, transformers as one static batch of all 128 (its
     # round alone takes over two minutes on an H100: the child's limit
@@ -327,10 +332,12 @@ ENGINE_WHY="the engine does not import (see setup)"
 # roofline NAME LIMIT_S BATCH_SIZES [ARGS...]
 roofline() {
     local name=$1 limit=$2 sizes=$3
+    local PROFILE_ARGS=()
+    [ "${GPU_PROOF_PROFILE:-0}" = 1 ] && PROFILE_ARGS=(--profile-out "$RAW/data/$name.profile.txt")
     shift 3
     if [ "$BENCH_OK" != 1 ]; then skip "$name" "$BENCH_WHY"; return; fi
     bench_step "$name" "$limit" "$PY" bench/decode_roofline.py --device "$DEVICE" "${ROOFLINE[@]}" \
-        --batch-sizes "$sizes" "$@" --json-out "$RAW/data/$name.json"
+        --batch-sizes "$sizes" "$@" --json-out "$RAW/data/$name.json" "${PROFILE_ARGS[@]}"
 }
 
 # The essentials, one at a time, each reported as it ends: greedy parity
@@ -369,6 +376,12 @@ fi
 [ "$SMOKE" = 1 ] || { wait; report; }
 ordered roofline roofline-graphs-256 60 "$B_LATER"
 ordered roofline roofline-eager 75 "$B_FIRST,$B_LATER" --enforce-eager
+if [ "$BENCH_OK" = 1 ]; then
+    ordered bench_step attention-sweep 90 "$PY" bench/attention_sweep.py --device "$DEVICE" "${SWEEP[@]}" \
+        --json-out "$RAW/data/attention-sweep.json"
+else
+    skip attention-sweep "$BENCH_WHY"
+fi
 wait
 report final
 
