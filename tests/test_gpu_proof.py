@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 # graphs, throughput), then the rest.
 STEPS = [
     "setup", "gpu-parity", "roofline-graphs", "throughput", "kernels", "attention-backends", "cuda-graph",
-    "gpu-setup", "ray-free", "roofline-graphs-256", "roofline-eager",
+    "gpu-setup", "ray-free", "roofline-graphs-256", "roofline-eager", "attention-sweep",
 ]
 # Each roofline step's batch sizes at the smoke run's sizes (64 -> 2, 256 -> 3).
 ROOFLINE_SIZES = {"roofline-graphs": ["2"], "roofline-graphs-256": ["3"], "roofline-eager": ["2", "3"]}
@@ -95,7 +95,7 @@ def test_results_fit_what_the_device_tool_returns(smoke: SmokeRun) -> None:
     assert {"rayvllm", "transformers"} <= {p.stem for p in (smoke.unpacked / "logs" / "throughput").iterdir()}
     tables = smoke.text("tables.md")
     assert [line[3:] for line in tables.splitlines() if line.startswith("## ")] == [
-        "roofline-graphs", "throughput", "roofline-graphs-256", "roofline-eager"
+        "roofline-graphs", "throughput", "roofline-graphs-256", "roofline-eager", "attention-sweep"
     ]
 
 
@@ -136,6 +136,15 @@ def test_throughput_rayvllm_and_transformers(smoke: SmokeRun) -> None:
     assert float(rows["rayvllm"][3]) > 0 and float(rows["transformers"][3]) > 0
     summary = json.loads(smoke.step_file("data/throughput.json"))
     assert set(summary["results"]) == {"rayvllm", "transformers"}
+
+
+def test_attention_sweep_times_every_launch(smoke: SmokeRun) -> None:
+    """bench/attention_sweep.py at the smoke sizes: a row per (B, splits,
+    keys a step) asked for, each timed (the interpreter's times mean nothing)."""
+    rows = json.loads(smoke.step_file("data/attention-sweep.json"))["rows"]
+    assert [(r["batch"], r["splits"], r["block_n"]) for r in rows] == [(2, 1, 16), (2, 2, 16)]
+    assert all("error" not in r and r["us"] > 0 for r in rows)
+    assert [r["picked"] for r in rows] == [True, False]
 
 
 def test_srcpath_imports_the_checkout_uninstalled() -> None:
