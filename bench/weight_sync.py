@@ -8,11 +8,12 @@ The trainer is this process, holding the model's Hugging Face state dict
 (float32). Rows, each the median of `--repeats` runs:
 - floor: `copy_` of every tensor into a preallocated twin (the bytes moved
   once, in memory: nothing can be faster);
-- rebuild only: `sync_weights` of the dict into an in-process engine, which
-  moves nothing (the worker takes the dict as it is) and only rebuilds the
-  model (every sync pays this: CPU float32 layers keep packed layouts);
-- disk: save the dict as safetensors and have every worker rebuild its
-  model from that file (`collective_rpc`), what a sync through disk costs;
+- load only: `sync_weights` of the dict into an in-process engine, which
+  moves nothing (the worker takes the dict as it is) and only loads it into
+  the live model (every sync pays this: a copy into each parameter, and into
+  each layout a CPU float32 layer's GEMM plan keeps);
+- disk: save the dict as safetensors and have every worker load its model
+  from that file (`collective_rpc`), what a sync through disk costs;
 - ray: `ray.put` once, then `sync_weights(ref, backend="ray")`;
 - gloo: `sync_weights(dict, backend="gloo")` (a broadcast from this process).
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         lambda: [twins[k].copy_(v) for k, v in weights.items()], args.repeats
     )}
     if args.engine == "local":
-        rows["rebuild only (dict in process)"] = _timed(lambda: llm.sync_weights(weights, backend="ray"), args.repeats)
+        rows["load only (dict in process)"] = _timed(lambda: llm.sync_weights(weights, backend="ray"), args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "model.safetensors")
 

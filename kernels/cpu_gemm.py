@@ -59,13 +59,17 @@ def tile_cols(isa: str | None = None) -> int:
     return lib.tile
 
 
-def pack_weight(weight: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """`weight` `[N, K]` float32 as column tiles `[ceil(N / TILE), K, TILE]` for `isa`'s kernel."""
+def pack_weight(weight: torch.Tensor, isa: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` `[N, K]` float32 as column tiles `[ceil(N / TILE), K, TILE]` for `isa`'s kernel,
+    into `out` (a tensor of that shape, e.g. the weight's earlier packing) where given."""
     lib = _library(isa or default_isa())
     assert lib is not None and weight.dtype == torch.float32
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    packed = empty_huge((-(-n // lib.tile), k, lib.tile))
+    shape = (-(-n // lib.tile), k, lib.tile)
+    if out is not None and (tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != torch.float32):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {shape}, got {tuple(out.shape)}")
+    packed = empty_huge(shape) if out is None else out
     lib.pack_weight_f32(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 

@@ -236,12 +236,43 @@ class PlannedGemm:
 
     def __init__(self, weight: torch.Tensor, plan: GemmPlan) -> None:
         self.plan = plan
-        out_features = weight.shape[0]
-        layouts = {c: make_layout(c, weight) for c in plan.layouts}
-        by_bucket = [functools.partial(gemm_fn(c, out_features), w=layouts[c]) for c in plan.by_bucket]
+        self.out_features, self.in_features = weight.shape
+        self._bind({c: make_layout(c, weight) for c in plan.layouts})
+
+    def _bind(self, layouts: dict[str, Layout]) -> None:
+        self.layouts = layouts
+        by_bucket = [functools.partial(gemm_fn(c, self.out_features), w=layouts[c]) for c in self.plan.by_bucket]
         # Indexed by row count (the last entry serves every larger count): the
         # hot path is one list lookup, no bucket arithmetic.
         self._for_rows = [by_bucket[bucket_index(max(rows, 1))] for rows in range(ROW_BUCKETS[-1] + 1)]
+
+    def staging(self) -> torch.Tensor:
+        """An `[out, in]` tensor to load a new weight into before `load`: the
+        `linear` layout itself where the plan keeps one (loading it is then
+        the update), else a new tensor."""
+        if "linear" in self.layouts:
+            return self.layouts["linear"]
+        return torch.empty(self.out_features, self.in_features)
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Every layout refreshed from `weight` `[out, in]`, in the storage
+        it had where the layout allows (all but oneDNN's opaque one): a
+        weight update costs a copy per layout, not a rebuilt model."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight {tuple(weight.shape)} != ({self.out_features}, {self.in_features})")
+        weight = weight.detach()
+        layouts = dict(self.layouts)
+        for candidate, layout in self.layouts.items():
+            if candidate == "linear":
+                if layout.data_ptr() != weight.data_ptr():
+                    layout.copy_(weight)
+            elif candidate == "mm_t":
+                layout.copy_(weight.t())
+            elif candidate == "packed":
+                cpu_gemm.pack_weight(weight, out=layout)
+            else:
+                layouts[candidate] = make_layout(candidate, weight)
+        self._bind(layouts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -134,6 +134,27 @@ def test_planned_gemm_matches_f_linear(candidate: str) -> None:
         torch.testing.assert_close(gemm(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
+def test_a_loaded_weight_is_multiplied_as_a_new_plan_would_in_the_same_storage() -> None:
+    """`load` refills every layout a split plan keeps: products equal those of a
+    plan built on the new weight, bit for bit, and the layouts that can stay put do."""
+    candidates = [c for c in ("linear", "mm_t", "packed", "mkldnn") if c in gemm_select.available_candidates()]
+    plan = GemmPlan(tuple(candidates[i % len(candidates)] for i in range(len(ROW_BUCKETS))))
+    gen = torch.Generator().manual_seed(4)
+    old, new = torch.randn(70, 40, generator=gen), torch.randn(70, 40, generator=gen)
+    gemm = PlannedGemm(old.clone(), plan)
+    kept = {c: t.data_ptr() for c, t in gemm.layouts.items() if c != "mkldnn"}
+    staging = gemm.staging()
+    staging.copy_(new)
+    gemm.load(staging)
+    fresh = PlannedGemm(new.clone(), plan)
+    assert {c: t.data_ptr() for c, t in gemm.layouts.items() if c != "mkldnn"} == kept
+    for rows in (1, 3, 13, 40, 600):
+        x = torch.randn(rows, 40, generator=gen)
+        assert torch.equal(gemm(x), fresh(x)), (rows, plan.pick(rows))
+    with pytest.raises(ValueError, match="weight"):
+        gemm.load(torch.zeros(40, 70))
+
+
 def test_layers_keep_only_the_plans_layouts() -> None:
     """A Linear drops its `[out, in]` parameter for the plan's layouts (bias
     still added); the LM head keeps `weight`, which the embedding may share;

@@ -1,7 +1,7 @@
 """Weight sync into a running engine (docs/RL.md): by object refs (`ray`)
 and over a gloo group, into an in-process engine and a TP=2 engine on Ray;
 afterwards the greedy tokens are exactly those of a fresh engine loaded
-from the trainer's weights. A bad update (a wrong shape, an unknown name, a
+from the trainer's weights, and the model was updated in place. A bad update (a wrong shape, an unknown name, a
 missing weight) is an error and the old weights keep serving. Also
 `collective_rpc` with a `worker_extension_cls` and `reset_prefix_cache`."""
 
@@ -86,9 +86,20 @@ def test_sync_weights_gives_a_fresh_engines_tokens(
 ) -> None:
     llm = local_llm if engine == "local" else ray_llm
     assert greedy(llm) == expected["original"]
+
+    def storage(worker: object) -> tuple[int, list[int]]:
+        """The model's identity and where its weights live (parameters and
+        CPU GEMM layouts but oneDNN's opaque one, which is rebuilt)."""
+        model = worker.runner.model  # type: ignore[attr-defined]
+        layouts = [t for m in model.modules() if getattr(m, "gemm", None) for c, t in m.gemm.layouts.items() if c != "mkldnn"]
+        return id(model), [t.data_ptr() for t in [*model.parameters(), *layouts]]
+
+    before = llm.collective_rpc(storage)
     # The trainer puts once; every worker fetches the ref itself.
     llm.sync_weights(ray.put(trained) if backend == "ray" else trained, backend=backend)
     assert greedy(llm) == expected["trained"]
+    # Loaded in place: the same model, every tensor where it was.
+    assert llm.collective_rpc(storage) == before
     # Back, in chunks through the four phases, the prompts' cached prefixes
     # (computed by the trained weights) forgotten with the update.
     original = trained_weights(tiny_model_dir, seed=1, scale=0.0)

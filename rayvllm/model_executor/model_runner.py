@@ -145,18 +145,15 @@ class ModelRunner:
         )
 
     def reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the target model by one built from `weights` (HF names and
-        full shapes, every tensor of the checkpoint), bound to the same KV
-        caches. The old model stays in place until the new one is whole, so
-        a failure here leaves it serving. CUDA graphs, captured over the old
-        model's parameters, are captured again."""
-        model = self._build_model(weights)
-        for layer, (k, v) in zip(model.attention_layers(), self.kv_caches):
-            layer.bind_kv_cache(k, v, self.attn_backend)
-        self.model = model
-        if self.cuda_graphs is not None:
-            self.cuda_graphs = None
-            self._capture_cuda_graphs()
+        """The target model's weights replaced by `weights` (HF names and
+        full shapes, every tensor of the checkpoint, checked by the receiver
+        first): copied into the live parameters and GEMM layouts, so CUDA
+        graphs and KV bindings stay as they are. A model freed by sleep
+        (level 2) is built from them instead."""
+        if self.model is not None:
+            self.model.load_weights_in_place(weights)
+            return
+        self.model = self._build_model(weights)
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (its contents are lost: the scheduler forgot

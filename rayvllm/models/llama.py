@@ -316,6 +316,26 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
 
+    def load_weights_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """`load_weights` into the live model: every parameter keeps its
+        storage (captured CUDA graphs stay valid) and each CPU GEMM plan's
+        layouts are refilled where they are (kernels/gemm_select.py), so an
+        update costs about a copy of the weights rather than a new model.
+        `weights` must be whole and checked (worker/weight_transfer.py does):
+        a tensor missing here would leave the model half updated."""
+        planned = [m for m in self.modules() if isinstance(m, Linear) and m.gemm is not None]
+        for module in planned:
+            module.weight = nn.Parameter(module.gemm.staging(), requires_grad=False)
+        try:
+            self.load_weights(weights)
+            for module in planned:
+                module.gemm.load(module.weight)
+            if self.lm_head is not None and self.lm_head.gemm is not None:
+                self.lm_head.gemm.load(self.lm_head.weight)
+        finally:
+            for module in planned:
+                module.weight = None  # type: ignore[assignment]
+
     def _load_vocab(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
         """The embedding feeds the first stage, and the LM head too when tied;
         `lm_head.weight` of a tied checkpoint is ignored."""
