@@ -414,6 +414,35 @@ def test_stream_logprob_offsets_run_over_the_choice_text(serving: OpenAIServing,
         seen += len(choice["text"])
 
 
+def test_completion_return_token_ids(serving: OpenAIServing, engine: FakeEngine) -> None:
+    """vLLM's token-in/token-out fields: each choice its prompt's ids and
+    its generated ids, echo or not; absent unless asked for."""
+    prompts = ["hello world", "the cat sat"]
+    response = complete(serving, prompt=prompts, n=2, max_tokens=3, echo=True, return_token_ids=True)
+    for choice in response.choices:
+        prompt = prompts[choice.index // 2]
+        assert choice.prompt_token_ids == engine.processor.tokenize(prompt)
+        assert choice.token_ids == engine.gen[choice.index % 2][:3]
+    body = complete(serving, prompt="hello", max_tokens=2).model_dump(mode="json")
+    assert not {"prompt_token_ids", "token_ids"} & set(body["choices"][0])
+
+
+def test_completion_stream_return_token_ids(serving: OpenAIServing, engine: FakeEngine) -> None:
+    """Streamed: each chunk the ids it adds, each choice's prompt ids on its first chunk only."""
+    prompts = ["hello world", "the cat sat"]
+    req = completion_req(prompt=prompts, n=2, max_tokens=3, stream=True, return_token_ids=True)
+    ids: dict[int, list[int]] = {}
+    prompt_ids: dict[int, list[list[int]]] = {}
+    for c in parse_events(stream_events(serving, "cmpl-s", req)):
+        choice = c["choices"][0]
+        if "prompt_token_ids" in choice:
+            assert choice["index"] not in ids, "the prompt's ids come on the choice's first chunk"
+            prompt_ids.setdefault(choice["index"], []).append(choice["prompt_token_ids"])
+        ids.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert ids == {i: engine.gen[i % 2][:3] for i in range(4)}
+    assert prompt_ids == {i: [engine.processor.tokenize(prompts[i // 2])] for i in range(4)}
+
+
 # ---- /v1/chat/completions -------------------------------------------------------------------
 
 
@@ -480,6 +509,26 @@ def test_chat_stream(serving: OpenAIServing, engine: FakeEngine) -> None:
         "usage": {"prompt_tokens": prompt_len, "completion_tokens": 6, "total_tokens": prompt_len + 6,
                   "prompt_tokens_details": {"cached_tokens": prompt_len // 2}},
     }
+
+
+def test_chat_return_token_ids(serving: OpenAIServing, engine: FakeEngine) -> None:
+    """The rendered conversation's ids on the response, each choice's
+    generated ids on it; streamed, the prompt's on the first chunk (a
+    role) and each chunk's own ids, which add up to the whole response's."""
+    whole = chat(serving, n=2, max_tokens=3, return_token_ids=True)
+    prompt_ids = engine.requests[0].prompt_token_ids
+    assert whole.prompt_token_ids == prompt_ids
+    assert [c.token_ids for c in whole.choices] == [engine.gen[j][:3] for j in (0, 1)]
+    req = chat_req(n=2, max_tokens=3, stream=True, return_token_ids=True)
+    chunks = parse_events(stream_events(serving, "chatcmpl-s", req))
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    for c in chunks[2:]:
+        ids[c["choices"][0]["index"]] += c["choices"][0]["token_ids"]
+    assert ids == {j: engine.gen[j][:3] for j in (0, 1)}
+    assert not {"prompt_token_ids", "token_ids"} & set(chat(serving).model_dump(mode="json")["choices"][0])
 
 
 def test_chat_logprobs(serving: OpenAIServing, engine: FakeEngine) -> None:

@@ -102,6 +102,21 @@ def test_streamed_completion_equals_unstreamed(client: "openai.OpenAI") -> None:
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_return_token_ids_over_http(client: "openai.OpenAI", offline: LLM) -> None:
+    """Token-in/token-out (vLLM's `return_token_ids`): the ids sent are the
+    prompt's, the ids back the offline engine's, whole or streamed."""
+    rng = random.Random("token-ids")
+    prompt_ids = [rng.randrange(5, 4000) for _ in range(12)]
+    ref = offline.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    kwargs = dict(model="tiny", prompt=prompt_ids, max_tokens=10, temperature=0, extra_body={"return_token_ids": True})
+    whole = client.completions.create(**kwargs).model_dump()["choices"][0]
+    assert whole["prompt_token_ids"] == prompt_ids
+    assert whole["token_ids"] == list(ref.outputs[0].token_ids)
+    chunks = [c.model_dump()["choices"][0] for c in client.completions.create(stream=True, **kwargs)]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert [t for c in chunks for t in c["token_ids"]] == list(ref.outputs[0].token_ids)
+
+
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client: "openai.OpenAI", route: str) -> None:
     """OpenAI's `usage.prompt_tokens_details.cached_tokens`: 0 for a prompt

@@ -229,6 +229,9 @@ class _GenerationRequest(StructuredOutputRequestFields, OpenAIBaseModel):
     include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    # The prompt's and each choice's token ids beside the text (vLLM's
+    # token-in/token-out field): no re-tokenizing text for an RL trainer.
+    return_token_ids: bool | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -468,13 +471,31 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class _TokenIdFields(OpenAIBaseModel):
+    """Base of the bodies that carry `return_token_ids`' fields
+    (`prompt_token_ids`, `token_ids`): in the JSON only when set, so a
+    client that did not ask sees OpenAI's shape."""
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class CompletionResponseChoice(_TokenIdFields):
+    """`prompt_token_ids`, `token_ids` (the generated ones): with `return_token_ids`."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -486,12 +507,17 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class CompletionResponseStreamChoice(OpenAIBaseModel):
+class CompletionResponseStreamChoice(_TokenIdFields):
+    """With `return_token_ids`: `token_ids` the chunk's generated ids, and
+    `prompt_token_ids` on each choice's first chunk."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -537,15 +563,19 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
-class ChatCompletionResponseChoice(OpenAIBaseModel):
+class ChatCompletionResponseChoice(_TokenIdFields):
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(_TokenIdFields):
+    """`prompt_token_ids` (the rendered conversation's) and each choice's
+    `token_ids`: with `return_token_ids`."""
+
     id: str = Field(default_factory=lambda: random_id("chatcmpl-"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -553,6 +583,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -564,25 +595,30 @@ class DeltaMessage(OpenAIBaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+class ChatCompletionResponseStreamChoice(_TokenIdFields):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
     @field_serializer("delta")
     def _delta_without_nulls(self, delta: DeltaMessage) -> dict[str, Any]:
         return delta.model_dump(exclude_none=True)
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(_TokenIdFields):
+    """With `return_token_ids`: `prompt_token_ids` on the stream's first
+    chunk, and each chunk's choice its generated `token_ids`."""
+
     id: str = Field(default_factory=lambda: random_id("chatcmpl-"))
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 # ---- models, tokenize, detokenize ------------------------------------------------------

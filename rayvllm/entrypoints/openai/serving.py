@@ -94,6 +94,8 @@ class _ChoiceState:
     stop_reason: int | str | None = None
     text_len: int = 0  # characters of generated text already streamed (completions text_offset)
     echoed: bool = False
+    # The prompt's token ids were sent with this choice (`return_token_ids`).
+    prompt_ids_sent: bool = False
 
 
 class _Tally:
@@ -113,6 +115,7 @@ class _Tally:
             choice.num_tokens = len(resume.output_token_ids)
             choice.text_len = resume.text_chars
             choice.echoed = True
+            choice.prompt_ids_sent = True
             self._resumed_cached_tokens = resume.num_cached_tokens
 
     def prompt(self, index: int) -> _PromptState:
@@ -366,6 +369,8 @@ class OpenAIServing:
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
             prompt_logprobs=prompt_logprobs_field(prompt.logprobs) if req.prompt_logprobs is not None else None,
+            prompt_token_ids=prompt.token_ids if req.return_token_ids else None,
+            token_ids=choice.token_ids if req.return_token_ids else None,
         )
 
     async def _completion_events(
@@ -411,12 +416,18 @@ class OpenAIServing:
         if req.logprobs is not None:
             chunk_logprobs = self._logprobs.completion(token_ids, logprobs, req.logprobs, choice.text_len)
         choice.text_len += len(text)
+        prompt_token_ids = None
+        if req.return_token_ids and not choice.prompt_ids_sent:
+            choice.prompt_ids_sent = True
+            prompt_token_ids = tally.prompt(choice.prompt_index).token_ids
         return CompletionResponseStreamChoice(
             index=choice.index,
             text=text,
             logprobs=chunk_logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
+            prompt_token_ids=prompt_token_ids,
+            token_ids=list(delta.token_ids) if req.return_token_ids else None,
         )
 
     # ---- /v1/chat/completions -------------------------------------------------------
@@ -464,6 +475,7 @@ class OpenAIServing:
             prompt_logprobs=(
                 prompt_logprobs_field(prompt_state.logprobs) if req.prompt_logprobs is not None else None
             ),
+            prompt_token_ids=prompt_state.token_ids if req.return_token_ids else None,
         )
 
     @staticmethod
@@ -494,6 +506,7 @@ class OpenAIServing:
             logprobs=logprobs,
             finish_reason=ChatTools.finish_reason(choice.finish_reason, bool(tool_calls)),
             stop_reason=choice.stop_reason,
+            token_ids=choice.token_ids if req.return_token_ids else None,
         )
 
     async def _chat_events(
@@ -515,16 +528,33 @@ class OpenAIServing:
         tool_states: dict[int, ChoiceToolCalls] = {}
         called: set[int] = set()
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
-            response = ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=[choice])
+        def chunk(choice: ChatCompletionResponseStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
+            response = ChatCompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=[choice], prompt_token_ids=prompt_token_ids
+            )
             return sse(response, include_usage)
 
-        # The role comes first, once per choice, before any content (OpenAI's order).
-        role = DeltaMessage(role="assistant", content="")
-        for index in range(0 if resumed else tally.n):
-            yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
+        def roles(prompt_token_ids: list[int] | None) -> Iterator[str]:
+            """The role, once per choice, before any content (OpenAI's order);
+            the prompt's token ids, where asked for, on the first."""
+            role = DeltaMessage(role="assistant", content="")
+            for index in range(tally.n):
+                yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role), prompt_token_ids)
+                prompt_token_ids = None
+
+        # Without token ids the roles go at once; with them, once the
+        # engine's first output has brought the prompt's ids.
+        roles_due = not resumed
+        if roles_due and not req.return_token_ids:
+            roles_due = False
+            for event in roles(None):
+                yield event
         async with contextlib.aclosing(streams.outputs()) as outputs:
             async for prompt_index, out in outputs:
+                if roles_due:
+                    roles_due = False
+                    for event in roles(list(out.prompt_token_ids)):
+                        yield event
                 for choice, delta in tally.absorb(prompt_index, out):
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
                         continue
@@ -544,7 +574,9 @@ class OpenAIServing:
                             called.add(choice.index)
                         message = DeltaMessage(content=part.content or None, tool_calls=part.tool_calls or None)
                         finish_reason = ChatTools.finish_reason(finish_reason, choice.index in called)
-                        if message.content is None and message.tool_calls is None and finish_reason is None:
+                        nothing = message.content is None and message.tool_calls is None and finish_reason is None
+                        # Held-back tool-call text still brings its token ids, where asked for.
+                        if nothing and not req.return_token_ids:
                             continue
                     event = chunk(
                         ChatCompletionResponseStreamChoice(
@@ -553,6 +585,7 @@ class OpenAIServing:
                             logprobs=logprobs,
                             finish_reason=finish_reason,
                             stop_reason=delta.stop_reason,
+                            token_ids=list(delta.token_ids) if req.return_token_ids else None,
                         )
                     )
                     yield tally.tagged(event, choice, delta) if tag else event
