@@ -14,12 +14,12 @@ from rayvllm.executor.base import Executor
 from rayvllm.executor.uniproc import UniProcExecutor
 
 
-def create_executor(config: EngineConfig, dp_rank: int = 0, reserved_pg: Any = None) -> Executor:
+def create_executor(config: EngineConfig, dp_rank: int = 0, reserved: Any = None) -> Executor:
     """The worker group of one data-parallel rank: Ray actors when any
     parallel size exceeds 1 or the Ray backend is asked for, else in-process.
-    `reserved_pg`: the Serve replica's placement group (see RayExecutor)."""
+    `reserved`: the `ReservedBundles` the workers go in (see RayExecutor)."""
     if config.parallel_config.use_ray:
         from rayvllm.actors.ray_executor import RayExecutor
 
-        return RayExecutor(config, dp_rank, reserved_pg)
+        return RayExecutor(config, dp_rank, reserved)
     return UniProcExecutor(config)

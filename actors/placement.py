@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -81,37 +82,83 @@ def deployment_bundles(parallel_config: ParallelConfig, device: str) -> list[Bun
     bundles 1 + d * world_size ..). Serve reserves them with the replica and
     removes them with it, so a replaced or scaled-down replica leaves no group
     behind, and the scheduler actor and workers are placed in them
-    (`reserved_worker_placements`)."""
+    (`replica_bundles`)."""
     groups = worker_bundles(parallel_config, device) * parallel_config.data_parallel_size
     return [dict(REPLICA_BUNDLE)] + groups
 
 
-def reserved_worker_placements(
-    pg: PlacementGroup, parallel_config: ParallelConfig, dp_rank: int
-) -> list[RankPlacement]:
-    """DP rank `dp_rank`'s ranks in a group laid out by `deployment_bundles`
-    (reserved by Serve with the replica, not owned by the engine)."""
-    world = parallel_config.world_size
-    total = 1 + world * parallel_config.data_parallel_size
-    if pg.bundle_count != total:
+@dataclass(frozen=True)
+class ReservedBundles:
+    """Bundles of a placement group that the engine did not make and never
+    removes: a Serve replica's (`replica_bundles`) or a caller's, such as an
+    RL trainer that colocates the engine's workers with its own
+    (`caller_bundles`). `worker_bundles`: one per rank, DP rank d's ranks at
+    `[d * world_size, (d + 1) * world_size)`; `scheduler_bundle`: where the
+    SchedulerActor sits when it hosts no worker (None: beside the caller,
+    asking for no CPU)."""
+
+    pg: PlacementGroup
+    worker_bundles: tuple[int, ...]
+    scheduler_bundle: int | None = None
+
+
+def replica_bundles(pg: PlacementGroup, parallel_config: ParallelConfig) -> ReservedBundles:
+    """A Serve replica's group, laid out by `deployment_bundles`."""
+    count = parallel_config.world_size * parallel_config.data_parallel_size
+    if pg.bundle_count != 1 + count:
         raise PlacementError(
             f"the replica's placement group has {pg.bundle_count} bundles; tensor x pipeline x data "
-            f"parallel sizes need {total} (deployment_bundles)"
+            f"parallel sizes need {1 + count} (deployment_bundles)"
         )
+    return ReservedBundles(pg, tuple(range(1, 1 + count)), scheduler_bundle=0)
+
+
+def caller_bundles(
+    pg: PlacementGroup, parallel_config: ParallelConfig, device: str, indices: Sequence[int] | None
+) -> ReservedBundles:
+    """A caller's group: `indices` name the bundle of each rank (DP-rank
+    major, as `ReservedBundles` says; default: the first bundles in order).
+    Each must exist once and hold what a rank asks for (`worker_bundles`)."""
+    count = parallel_config.world_size * parallel_config.data_parallel_size
+    chosen = tuple(range(count)) if indices is None else tuple(indices)
+    field = "placement_group_bundle_indices"
+    if len(chosen) != count:
+        raise InvalidParameterError(
+            field, f"needs one bundle per rank: {count} (tensor x pipeline x data parallel sizes), got {len(chosen)}"
+        )
+    if len(set(chosen)) != count:
+        raise InvalidParameterError(field, f"names a bundle twice: {list(chosen)}")
+    specs = pg.bundle_specs
+    ask = worker_bundles(parallel_config, device)[0]
+    for index in chosen:
+        if not 0 <= index < len(specs):
+            raise InvalidParameterError(field, f"bundle {index} is not in the group's {len(specs)} bundles")
+        short = {k: v for k, v in ask.items() if specs[index].get(k, 0.0) < v}
+        if short:
+            raise InvalidParameterError(field, f"bundle {index} holds {specs[index]}; a rank needs {ask}")
+    return ReservedBundles(pg, chosen)
+
+
+def reserved_worker_placements(
+    reserved: ReservedBundles, parallel_config: ParallelConfig, dp_rank: int
+) -> list[RankPlacement]:
+    """DP rank `dp_rank`'s ranks in `reserved`'s bundles, a TP group on one node."""
+    world = parallel_config.world_size
+    pg = reserved.pg
     ready, _ = ray.wait([pg.ready()], timeout=parallel_config.placement_group_timeout_s)
     if not ready:
         timeout = parallel_config.placement_group_timeout_s
-        raise PlacementError(f"the replica's placement group was not ready in {timeout:g}s")
-    first = 1 + dp_rank * world
-    nodes = _bundle_nodes(pg, total)[first : first + world]
+        raise PlacementError(f"the reserved placement group was not ready in {timeout:g}s")
+    indices = reserved.worker_bundles[dp_rank * world : (dp_rank + 1) * world]
+    all_nodes = _bundle_nodes(pg, pg.bundle_count)
     placements = assign_ranks(
-        bundle_nodes=nodes,
+        bundle_nodes=[all_nodes[i] for i in indices],
         node_ips=_node_ips(),
         driver_node_id=ray.get_runtime_context().get_node_id(),
         tp_size=parallel_config.tensor_parallel_size,
         pp_size=parallel_config.pipeline_parallel_size,
     )
-    return [RankPlacement(p.rank, first + p.bundle_index, p.node_id, p.node_ip) for p in placements]
+    return [RankPlacement(p.rank, indices[p.bundle_index], p.node_id, p.node_ip) for p in placements]
 
 
 def create_worker_placement_group(
@@ -189,26 +236,26 @@ def scheduler_hosts_worker(parallel_config: ParallelConfig) -> bool:
 
 
 def scheduler_actor_options(
-    parallel_config: ParallelConfig, device: str, reserved_pg: PlacementGroup | None,
+    parallel_config: ParallelConfig, device: str, reserved: ReservedBundles | None,
     pending: PlacementGroup | None = None,
 ) -> tuple[dict[str, Any], PlacementGroup | None]:
     """``SchedulerActor.options(**...)``, and the placement group made for it
     (None if none was; the caller removes it at shutdown). A group that is
     not placed in time stays, in the `PlacementError`, for the caller to
     pass back as `pending` or remove. A scheduler that
-    hosts the worker takes that worker's bundle and resources: bundle 1 of
-    the replica's group laid out by `deployment_bundles`, or a group of its
-    own. Otherwise it asks for no CPU and sits in the replica's bundle, or
-    beside the caller."""
+    hosts the worker takes that worker's bundle and resources: the first
+    worker bundle of `reserved`, or a group of its own. Otherwise it asks
+    for no CPU and sits in the reserved scheduler bundle (a replica's own),
+    or beside the caller."""
     if scheduler_hosts_worker(parallel_config):
-        if reserved_pg is not None:
-            placement = reserved_worker_placements(reserved_pg, parallel_config, 0)[0]
-            return rank_actor_options(parallel_config, device, reserved_pg, placement), None
+        if reserved is not None:
+            placement = reserved_worker_placements(reserved, parallel_config, 0)[0]
+            return rank_actor_options(parallel_config, device, reserved.pg, placement), None
         name = f"rayvllm-engine-{uuid.uuid4().hex[:8]}"
         pg, placements = create_worker_placement_group(parallel_config, device, name, pending, keep_on_timeout=True)
         return rank_actor_options(parallel_config, device, pg, placements[0]), pg
-    if reserved_pg is not None:
-        strategy: Any = PlacementGroupSchedulingStrategy(reserved_pg, placement_group_bundle_index=0)
+    if reserved is not None and reserved.scheduler_bundle is not None:
+        strategy: Any = PlacementGroupSchedulingStrategy(reserved.pg, placement_group_bundle_index=reserved.scheduler_bundle)
     else:
         strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     return {"scheduling_strategy": strategy, "runtime_env": HOT_PATH_RUNTIME_ENV}, None

@@ -17,7 +17,12 @@ from typing import Any
 import ray
 
 from rayvllm.actors.ray_executor import get_unwrapped
-from rayvllm.actors.placement import remove_groups_made_by, remove_worker_placement_group, scheduler_actor_options
+from rayvllm.actors.placement import (
+    ReservedBundles,
+    remove_groups_made_by,
+    remove_worker_placement_group,
+    scheduler_actor_options,
+)
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
 from rayvllm.distributed.rpc_channel import connect
@@ -45,15 +50,15 @@ def ensure_ray_initialized(pc: ParallelConfig) -> None:
 class RayEngineCoreClient(EngineCoreClient):
     """The core in a SchedulerActor, with the worker groups it owns."""
 
-    def __init__(self, config: EngineConfig, reserved_pg: Any = None) -> None:
-        """`reserved_pg`: the Serve replica's placement group (laid out by
-        `deployment_bundles`): the actor and the workers go in its bundles,
-        and Serve removes it all with the replica. Without it the engine
-        makes its own groups. At world size 1 with one DP rank the actor
+    def __init__(self, config: EngineConfig, reserved: ReservedBundles | None = None) -> None:
+        """`reserved`: bundles of a placement group the engine did not make
+        (a Serve replica's, which Serve removes with the replica, or a
+        caller's): the actor and the workers go in them, and the group is
+        left as it was at shutdown. Without them the engine makes its own groups. At world size 1 with one DP rank the actor
         runs the model itself (`scheduler_hosts_worker`). A new core after
         a failure is placed like the first."""
         super().__init__(config)
-        self.reserved_pg = reserved_pg
+        self.reserved = reserved
         self.actor: Any = None
         self._pg: Any = None
         # A group a start found no room for: the next start waits on it
@@ -75,12 +80,12 @@ class RayEngineCoreClient(EngineCoreClient):
         with self._waiting_lock:
             pending, self._waiting_pg = self._waiting_pg, None
         try:
-            options, self._pg = scheduler_actor_options(pc, self.config.device, self.reserved_pg, pending)
+            options, self._pg = scheduler_actor_options(pc, self.config.device, self.reserved, pending)
         except PlacementError as e:
             self._keep_waiting(e.pending_group)
             raise
         self.actor = SchedulerActor.options(**options).remote()
-        self.config.cache_config.num_blocks = ray.get(self.actor.start.remote(self.config, self.reserved_pg))
+        self.config.cache_config.num_blocks = ray.get(self.actor.start.remote(self.config, self.reserved))
         return SocketConnection(connect(*ray.get(self.actor.open_stream.remote())))
 
     def _release(self, timeout_s: float) -> None:

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from rayvllm.actors.placement import (
     RankPlacement,
     create_worker_placement_group,
+    ReservedBundles,
     reserved_worker_placements,
     rank_actor_options,
     remove_worker_placement_group,
@@ -79,13 +80,13 @@ class _PendingStep:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, dp_rank: int = 0, reserved_pg: Any = None) -> None:
-        """`reserved_pg`: a placement group laid out by `deployment_bundles`
-        that Serve reserved with the replica (used, never removed here);
-        without one the executor creates and removes its own."""
+    def __init__(self, config: EngineConfig, dp_rank: int = 0, reserved: ReservedBundles | None = None) -> None:
+        """`reserved`: bundles of a group the engine did not make (a Serve
+        replica's or a caller's: used, never removed here); without them
+        the executor creates and removes its own group."""
         super().__init__(config)
         self.dp_rank = dp_rank
-        self.reserved_pg = reserved_pg
+        self.reserved = reserved
         pc = config.parallel_config
         self.world_size = pc.world_size
         # TP rank 0 of the last stage samples (see ParallelContext.is_driver).
@@ -107,9 +108,9 @@ class RayExecutor(Executor):
 
     def start_workers(self) -> None:
         pc = self.config.parallel_config
-        if self.reserved_pg is not None:
-            group = self.reserved_pg
-            self.placements = reserved_worker_placements(group, pc, self.dp_rank)
+        if self.reserved is not None:
+            group = self.reserved.pg
+            self.placements = reserved_worker_placements(self.reserved, pc, self.dp_rank)
         else:
             name = worker_group_name(self.dp_rank)
             self.pg, self.placements = create_worker_placement_group(pc, self.config.device, name)

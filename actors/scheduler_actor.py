@@ -55,15 +55,15 @@ class SchedulerActor:
         self._loop: EngineCoreLoop | None = None
         self._loop_made = threading.Event()
 
-    def start(self, config: EngineConfig, reserved_pg: object = None) -> int:
-        """Start every worker group (in `reserved_pg` when Serve reserved
-        one with the replica); returns the KV blocks per DP rank."""
+    def start(self, config: EngineConfig, reserved: object = None) -> int:
+        """Start every worker group (in `reserved`'s bundles when a Serve
+        replica or the caller reserved them); returns the KV blocks per DP rank."""
         self.config = config
         _set_threads(config)
         if scheduler_hosts_worker(config.parallel_config):
             self.core = EngineCore(config, lambda dp_rank: UniProcExecutor(config))
         else:
-            self.core = EngineCore(config, lambda dp_rank: create_executor(config, dp_rank, reserved_pg))
+            self.core = EngineCore(config, lambda dp_rank: create_executor(config, dp_rank, reserved))
         return config.cache_config.num_blocks
 
     def open_stream(self) -> tuple[tuple[str, int], bytes]:

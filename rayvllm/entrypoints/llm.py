@@ -27,11 +27,20 @@ class LLM:
     Any `EngineArgs` field is accepted as a keyword (`tokenizer`, `dtype`,
     `max_model_len`, `max_num_seqs`, `kv_cache_memory_bytes`, ...), with
     EngineArgs' defaults (docs/CONFIG.md lists them), as in vLLM.
+    On Ray, `placement_group` (a caller's `ray.util.placement_group`) puts
+    the engine's workers in its bundles, one per rank in the order
+    `placement_group_bundle_indices` gives (default: the first ones); the
+    group stays the caller's (docs/RL.md).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, placement_group: Any = None,
+        placement_group_bundle_indices: Sequence[int] | None = None, **kwargs: Any,
+    ) -> None:
         args = EngineArgs.from_dict({"model": model, **kwargs})
-        self.llm_engine = llm_engine_from_engine_args(args)
+        self.llm_engine = llm_engine_from_engine_args(
+            args, placement_group=placement_group, placement_group_bundle_indices=placement_group_bundle_indices
+        )
         self._counter = itertools.count()
 
     def shutdown(self) -> None:
