@@ -3,7 +3,8 @@ bench/gpu_proof.sh): greedy tokens equal transformers' in float32 on CUDA,
 through CUDA-graph and eager decodes, chunked prefill and long contexts
 that split the Triton kernel's keys; in bfloat16, the engine's logprobs of
 transformers' float32 greedy tokens stay within `BF16_LOGPROB_TOL`; n-gram
-speculation and the host KV tier keep float32 greedy parity on CUDA.
+speculation and the host KV tier keep float32 greedy parity on CUDA, and
+so does a weight update loaded into the live model under captured graphs.
 Skipped without CUDA (tests/test_parity.py is the CPU's parity)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rayvllm import LLM, SamplingParams
 from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW, hf_greedy
+from rl_oracle import save_weights, trained_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -155,3 +157,24 @@ def test_host_kv_tier_greedy_parity_on_cuda(gpu_models: dict[str, Path]) -> None
     offload = core.make_stats().kv_offload_stats
     assert offload is not None and offload.hits > 0 and offload.load_failures == 0
     assert out.outputs[0].token_ids == hf_greedy(model_dir, docs[0] + [10, 11], device="cuda")[0]
+
+
+def test_a_weight_update_replays_in_the_captured_graphs(gpu_models: dict[str, Path], tmp_path: Path) -> None:
+    """A trainer's weights loaded into the live CUDA model: the graphs
+    captured at start are kept (no recapture) and replay the new weights, so
+    the float32 greedy tokens are transformers' on the updated checkpoint."""
+    model_dir = gpu_models["llama-d64-gqa2"]
+    trained = trained_weights(model_dir, seed=3)
+    updated = save_weights(model_dir, trained, tmp_path / "updated")
+    llm = _llm(model_dir, "float32")
+    runner = llm.llm_engine.engine_core.engine_core.executor.runner
+    graphs = runner.cuda_graphs
+    assert graphs is not None
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    prompts = _prompts()[:4]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.sync_weights(trained, backend="ray")
+    assert runner.cuda_graphs is graphs
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(updated, prompt, device="cuda")[0], len(prompt)
