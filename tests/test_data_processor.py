@@ -4,25 +4,31 @@ and LoRA rows equal the offline `LLM`'s tokens; an invalid row fails alone
 (or fails the job); a replica whose process is killed mid-job (SIGKILL, by
 pid, once it has admitted a known number of rows) leaves a complete and
 exact output; `embed` equals `LLM.embed`; a replica runs a TP=2 engine on
-Ray. One shared Ray cluster (`ray_local`)."""
+Ray; a replica's engine metrics reach Ray's Prometheus endpoint. One shared
+Ray cluster (`ray_local`)."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
+import ray.util.state
+import requests
 from ray.data import DataContext
 
 from rayvllm import LLM, PoolingParams, SamplingParams
 from rayvllm.data import ERROR_COLUMN, EngineProcessorConfig, build_processor
-from rayvllm.data.replica import REPLICA_NAME_PREFIX
+from rayvllm.data.replica import REPLICA_NAME_PREFIX, ReplicaPlacement, start_replica
+from rayvllm.data.rows import request_fields
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.structured_outputs import StructuredOutputsParams
 
@@ -260,3 +266,33 @@ def test_config_maps_to_engine_args() -> None:
     with pytest.raises(ValueError, match="3 bundles for 2 ranks"):
         EngineProcessorConfig(engine_kwargs={"tensor_parallel_size": 2},
                               placement_group_config={"bundles": [{"CPU": 1}] * 3}).engine_args()
+
+
+def test_a_replicas_engine_metrics_reach_rays_prometheus_endpoint(ray_local: None, tiny_model_dir: Path) -> None:
+    """The node's metrics agent (Ray's Prometheus endpoint) serves the
+    replica's engine counters under Ray-legal names, tagged with the
+    replica's actor name: the generated-token count is the rows' own."""
+    config = _config(tiny_model_dir)
+    placement = ReplicaPlacement(config)
+    replica = start_replica(config, placement)
+    try:
+        rows = [(i, request_fields(row)) for i, row in enumerate(_rows()[:3])]
+        results = [ray.get(ref) for ref in replica.process.remote(rows)]
+        generated = float(sum(len(columns["generated_tokens"]) for _, columns in results))
+        assert ray.get(replica.export_metrics.remote()) > 0
+        name = ray.util.state.get_actor(replica._actor_id.hex()).name
+        [node] = [n for n in ray.nodes() if n["Alive"]]
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        series = re.compile(r"^ray_rayvllm_generation_tokens_total\{(?P<tags>[^}]*)\} (?P<value>\S+)$", re.M)
+        deadline = time.monotonic() + 60
+        while True:
+            text = requests.get(url, timeout=10).text
+            values = [float(m["value"]) for m in series.finditer(text) if f'ReplicaId="{name}"' in m["tags"]]
+            if values == [generated]:
+                break
+            # Ray's agents report on their own period; nothing to wait on but the endpoint itself.
+            assert time.monotonic() < deadline, f"{values} != [{generated}] at {url}"
+            time.sleep(0.5)
+    finally:
+        ray.kill(replica)
+        placement.release()

@@ -7,10 +7,15 @@ placed in the bundles its feeder reserved (`ReplicaPlacement`).
 A replica whose engine died exits its process, so that Ray restarts it
 (`max_restarts`) with a fresh engine and its feeders resubmit the rows it
 held (feeder.py); a dead engine must never answer as if alive.
+
+Its engine's metrics go to Ray's Prometheus endpoint (actors/ray_metrics.py)
+every `METRICS_EXPORT_INTERVAL_S` while it processes rows, tagged with the
+replica's actor name: a batch job has no `/metrics` of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import uuid
@@ -23,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.actors.placement import HOT_PATH_RUNTIME_ENV, deployment_bundles, worker_bundles
+from rayvllm.actors.ray_metrics import RayMetricsExporter
 from rayvllm.data.config import EngineProcessorConfig
 from rayvllm.data.rows import RowStages
 from rayvllm.data.runner import RowRunner
@@ -32,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # Replicas are named actors (`ray list actors` shows them by this prefix).
 REPLICA_NAME_PREFIX = "rayvllm-data-replica-"
+# Ray's own agents report every 10 s by default; more often would only
+# overwrite gauges nobody has read.
+METRICS_EXPORT_INTERVAL_S = 5.0
 
 
 class ReplicaPlacement:
@@ -89,6 +98,18 @@ class EngineReplica:
         self.runner = RowRunner(
             self.engine, RowStages.of(config), config.task_type == "embed", config.max_pending_requests
         )
+        name = ray.get_runtime_context().get_actor_name() or ray.get_runtime_context().get_actor_id()
+        self.metrics = RayMetricsExporter(name)
+        self._exporting: asyncio.Task[None] | None = None
+
+    def export_metrics(self) -> int:
+        """Set the engine's metrics on Ray's gauges now; how many samples."""
+        return self.metrics.export(self.engine.metrics.families())
+
+    async def _export_while_alive(self) -> None:
+        while True:
+            self.export_metrics()
+            await asyncio.sleep(METRICS_EXPORT_INTERVAL_S)
 
     def pid(self) -> int:
         """This replica's process id (and, answered, that its engine is built)."""
@@ -102,6 +123,8 @@ class EngineReplica:
     @ray.method(num_returns="streaming")  # type: ignore[misc]
     async def process(self, rows: list[tuple[int, dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Each row's `(index, columns)` as it finishes (RowRunner.run)."""
+        if self._exporting is None:
+            self._exporting = asyncio.get_running_loop().create_task(self._export_while_alive())
         try:
             async for item in self.runner.run(rows):
                 yield item

@@ -34,6 +34,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 if TYPE_CHECKING:
     # Types only: the engine imports this module, and the scheduler module
@@ -374,6 +375,11 @@ class EngineMetrics:
         """The Prometheus text exposition of this instance's metrics, and
         the HTTP Content-Type to send it with."""
         return generate_latest(self._registry), CONTENT_TYPE_LATEST
+
+    def families(self) -> list[Metric]:
+        """This instance's metric families as they stand (for an exporter
+        other than `/metrics`, e.g. Ray's: actors/ray_metrics.py)."""
+        return list(self._registry.collect())
 
 
 def _spec_increase(
