@@ -12,6 +12,7 @@ output. Steps skip Ray entirely; setup and teardown go through it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -151,29 +152,52 @@ class RayExecutor(Executor):
 
     def _on_all(self, phase: str, refs: list[ray.ObjectRef], timeout: float | None) -> list[Any]:
         """Results of one call per rank (rank order); raises
-        `DistributedInitError` naming every rank that failed or stayed silent."""
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        ready_set = set(ready)
+        `DistributedInitError` naming every rank that failed or stayed
+        silent. A rank whose actor dies ends the wait at once: the others
+        may be blocked on it (a rendezvous or collective that never
+        completes without it), so they are named as waiting, not blamed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outcomes: dict[ray.ObjectRef, tuple[str, Any]] = {}
+        pending = list(refs)
+        died = False
+        while pending and not died:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                break
+            for ref in ready:
+                try:
+                    outcomes[ref] = ("ok", ray.get(ref))
+                except RayActorError as e:
+                    outcomes[ref] = ("died", e)
+                    died = True
+                except Exception as e:  # noqa: BLE001 - each rank's cause goes into the message
+                    outcomes[ref] = ("raised", e)
         results: list[Any] = []
         silent: list[str] = []
         failed: list[str] = []
+        waiting: list[str] = []
         for rank, ref in enumerate(refs):
             where = self._where(rank)
-            if ref not in ready_set:
+            kind, value = outcomes.get(ref, ("unfinished", None))
+            if kind == "ok":
+                results.append(value)
+            elif kind == "died":
+                silent.append(f"rank {rank} ({where}; its actor died: {str(value).splitlines()[0]})")
+            elif kind == "raised":
+                failed.append(f"rank {rank} ({where}): {type(value).__name__}: {str(value).splitlines()[-1]}")
+            elif died:
+                waiting.append(f"rank {rank} ({where})")
+            else:
                 silent.append(f"rank {rank} ({where})")
-                continue
-            try:
-                results.append(ray.get(ref))
-            except RayActorError as e:
-                silent.append(f"rank {rank} ({where}; its actor died: {str(e).splitlines()[0]})")
-            except Exception as e:  # noqa: BLE001 - each rank's cause goes into the message
-                failed.append(f"rank {rank} ({where}): {type(e).__name__}: {str(e).splitlines()[-1]}")
         if silent or failed:
             parts = [f"worker group of DP rank {self.dp_rank} failed at {phase}"]
             if silent:
                 parts.append("did not answer: " + "; ".join(silent))
             if failed:
                 parts.append("raised: " + "; ".join(failed))
+            if waiting:
+                parts.append("still waiting, likely on the dead rank (not blamed): " + "; ".join(waiting))
             raise DistributedInitError(". ".join(parts))
         return results
 

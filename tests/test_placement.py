@@ -7,7 +7,9 @@ and two worker nodes with 2 CPUs each.
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -288,10 +290,43 @@ def test_preflight_names_the_rank_that_did_not_answer(worker_nodes: list[str], t
     _assert_gone(name)
     message = str(info.value)
     assert "did not answer: " in message, message
-    silent = message.split("did not answer: ", 1)[1].split(". raised: ", 1)[0]
+    silent = message.split("did not answer: ", 1)[1].split(". raised: ", 1)[0].split(". still waiting", 1)[0]
     # Only rank 1 is blamed as silent, with its node; the live ranks are not.
     assert re.findall(r"\brank (\d+) \(", silent) == ["1"], message
     p1 = ex.placements[1]
     assert f"rank 1 (node {p1.node_ip} id {p1.node_id[:12]}" in silent, message
     # Bounded by distributed_timeout_s (plus the executor's fixed slack), never a hang.
     assert elapsed < 5 + 15 + 10, elapsed
+
+
+def test_a_rank_dying_inside_a_call_ends_the_wait_and_only_it_is_blamed(
+    worker_nodes: list[str], tiny_model_dir: Path
+) -> None:
+    """A rank whose actor dies inside a call that the others block on (as a
+    rendezvous blocks without its last member): the executor stops waiting
+    at once, blames the dead rank, and names the blocked ones as waiting.
+    Without that, the wait ran to its bound (here 600 s: the test's own
+    timeout would end it first) and blamed every rank."""
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def block(self) -> None:
+            threading.Event().wait()  # a peer that never arrives
+
+        def die(self) -> None:
+            os._exit(1)
+
+    ranks = [Rank.remote() for _ in range(3)]
+    try:
+        executor = RayExecutor(_tp2_pp2_config(tiny_model_dir))  # not started: its ranks are unplaced
+        refs = [ranks[0].block.remote(), ranks[1].die.remote(), ranks[2].block.remote()]
+        with pytest.raises(DistributedInitError) as info:
+            executor._on_all("process group init", refs, timeout=600)
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+    message = str(info.value)
+    assert message.startswith("worker group of DP rank 0 failed at process group init. did not answer: rank 1 "
+                              "(unplaced; its actor died"), message
+    assert message.endswith(". still waiting, likely on the dead rank (not blamed): rank 0 (unplaced); "
+                            "rank 2 (unplaced)"), message
