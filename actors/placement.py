@@ -255,7 +255,8 @@ def scheduler_actor_options(
         pg, placements = create_worker_placement_group(parallel_config, device, name, pending, keep_on_timeout=True)
         return rank_actor_options(parallel_config, device, pg, placements[0]), pg
     if reserved is not None and reserved.scheduler_bundle is not None:
-        strategy: Any = PlacementGroupSchedulingStrategy(reserved.pg, placement_group_bundle_index=reserved.scheduler_bundle)
+        bundle = reserved.scheduler_bundle
+        strategy: Any = PlacementGroupSchedulingStrategy(reserved.pg, placement_group_bundle_index=bundle)
     else:
         strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     return {"scheduling_strategy": strategy, "runtime_env": HOT_PATH_RUNTIME_ENV}, None

@@ -54,9 +54,10 @@ class RayEngineCoreClient(EngineCoreClient):
         """`reserved`: bundles of a placement group the engine did not make
         (a Serve replica's, which Serve removes with the replica, or a
         caller's): the actor and the workers go in them, and the group is
-        left as it was at shutdown. Without them the engine makes its own groups. At world size 1 with one DP rank the actor
-        runs the model itself (`scheduler_hosts_worker`). A new core after
-        a failure is placed like the first."""
+        left as it was at shutdown. Without them the engine makes its own
+        groups. At world size 1 with one DP rank the actor runs the model
+        itself (`scheduler_hosts_worker`). A new core after a failure is
+        placed like the first."""
         super().__init__(config)
         self.reserved = reserved
         self.actor: Any = None

@@ -59,7 +59,9 @@ def test_tp2_ranks_take_the_named_bundles_and_leave_the_group(
             state = ray.util.state.get_actor(actor)
             assert state.placement_group_id == group_id
             # Ray names a bundle's resources `CPU_group_<bundle>_<group id>`.
-            bundles += [int(k.split("_")[2]) for k in state.required_resources if k.startswith("CPU_group_") and k.count("_") == 3]
+            bundles += [
+                int(k.split("_")[2]) for k in state.required_resources if k.startswith("CPU_group_") and k.count("_") == 3
+            ]
         assert bundles == [3, 1]  # rank 0 in bundle 3, rank 1 in bundle 1
         assert greedy(llm) == expected
     finally:

@@ -107,7 +107,8 @@ def test_return_token_ids_over_http(client: "openai.OpenAI", offline: LLM) -> No
     prompt's, the ids back the offline engine's, whole or streamed."""
     rng = random.Random("token-ids")
     prompt_ids = [rng.randrange(5, 4000) for _ in range(12)]
-    ref = offline.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    ref = offline.generate([{"prompt_token_ids": prompt_ids}], greedy, use_tqdm=False)[0]
     kwargs = dict(model="tiny", prompt=prompt_ids, max_tokens=10, temperature=0, extra_body={"return_token_ids": True})
     whole = client.completions.create(**kwargs).model_dump()["choices"][0]
     assert whole["prompt_token_ids"] == prompt_ids

@@ -91,7 +91,8 @@ def test_sync_weights_gives_a_fresh_engines_tokens(
         """The model's identity and where its weights live (parameters and
         CPU GEMM layouts but oneDNN's opaque one, which is rebuilt)."""
         model = worker.runner.model  # type: ignore[attr-defined]
-        layouts = [t for m in model.modules() if getattr(m, "gemm", None) for c, t in m.gemm.layouts.items() if c != "mkldnn"]
+        planned = [m.gemm for m in model.modules() if getattr(m, "gemm", None)]
+        layouts = [t for gemm in planned for c, t in gemm.layouts.items() if c != "mkldnn"]
         return id(model), [t.data_ptr() for t in [*model.parameters(), *layouts]]
 
     before = llm.collective_rpc(storage)
