@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,40 @@ def _builder() -> ModuleType:
 
 START_TIMEOUT_S = 240.0
 
+# Ports named at import (a module's server URL) and bound here until their
+# server starts: meanwhile no other process is handed one as an ephemeral
+# port (a Ray worker's, say, minutes of cluster starts later).
+_HELD_PORTS: dict[int, socket.socket] = {}
+
+
+def held_port(pair: bool = False) -> int:
+    """A free port (with `pair`, whose successor is free too), held bound by
+    this process until a `ServeProcess` on it starts (it releases them)."""
+    while True:
+        first = socket.socket()
+        first.bind(("127.0.0.1", 0))
+        port = first.getsockname()[1]
+        held = [first]
+        if pair:
+            second = socket.socket()
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                first.close()
+                second.close()
+                continue  # the successor is taken: pick another pair
+            held.append(second)
+        for offset, sock in enumerate(held):
+            _HELD_PORTS[port + offset] = sock
+        return port
+
+
+def _release_ports(ports: tuple[int, ...]) -> None:
+    for port in ports:
+        sock = _HELD_PORTS.pop(port, None)
+        if sock is not None:
+            sock.close()  # bound, never connected: nothing lingers in TIME_WAIT
+
 
 class ServeProcess:
     """A server process in its own process group. Invariant: after `stop`
@@ -43,6 +78,7 @@ class ServeProcess:
                  env: dict[str, str] | None = None) -> None:
         self.base_url = base_url
         self.ports = ports
+        _release_ports(ports)
         for port in ports:
             # A replica binds its port without SO_REUSEADDR: a previous
             # server's lingering connections would fail this one's start.
@@ -229,7 +265,7 @@ def serve_run_config(config: Path, log_path: Path) -> ServeProcess:
 # The shared server: one `serve run` of a config file hosting the apps of
 # the HTTP tests that need no server of their own, each app under its own
 # route prefix behind Serve's proxy on `SHARED_PORT` (see `SharedServe`).
-SHARED_PORT = free_port()
+SHARED_PORT = held_port()
 SHARED_CPUS_PER_WORKER = 0.1
 
 

@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.utils.tokenizer import get_tokenizer  # noqa: E402
 
-from serve_harness import REPO, ServeProcess, free_port_pair, serve_run  # noqa: E402
+from serve_harness import REPO, ServeProcess, held_port, serve_run  # noqa: E402
 
 KEY = "sk-rayvllm-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -37,7 +37,7 @@ ENGINE = dict(max_num_seqs=8, max_model_len=2048, kv_cache_memory_bytes=32 << 20
 MAX_PENDING = 6
 MAX_REQUEST_BYTES = 64 << 10
 PROMPT = "The capital of France is"
-PORT = free_port_pair()
+PORT = held_port(pair=True)
 BASE_URL = f"http://127.0.0.1:{PORT}"  # the replica itself (Serve's direct ingress)
 
 
