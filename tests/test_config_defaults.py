@@ -68,7 +68,9 @@ def test_each_engine_default_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
 
     captured: list[EngineArgs] = []
 
-    def capture(args: EngineArgs) -> None:
+    def capture(args: EngineArgs, **placement: object) -> None:
+        # No placement group unless the caller gives one (docs/RL.md).
+        assert placement == {"placement_group": None, "placement_group_bundle_indices": None}
         captured.append(args)
         raise RuntimeError("captured")
 
