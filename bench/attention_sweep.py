@@ -95,7 +95,7 @@ def _time_call(fn: Any, device: Any, iters: int) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from rayvllm.kernels.attention_tiles import num_kv_splits
+    from rayvllm.kernels.attention_tiles import attention_tiles, num_kv_splits
     from rayvllm.kernels.triton_attention import paged_attention
 
     device = torch.device(args.device)
@@ -104,8 +104,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         inputs = _inputs(batch, args.context_len, device, args.seed)
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        # the unsplit launch's programs: one tile per sequence, per KV head
-        picked = num_kv_splits((batch + batch // 8) * NUM_KV_HEADS, inputs["max_seq_len"], sm_count)
+        # The unsplit launch's programs, as paged_attention counts them.
+        group_padded = NUM_HEADS // NUM_KV_HEADS
+        block_q = attention_tiles(HEAD_SIZE, 2, group_padded, 1).block_m // group_padded
+        programs = (batch // block_q + batch) * NUM_KV_HEADS
+        picked = num_kv_splits(programs, inputs["max_seq_len"], sm_count)
         moved = _bytes(inputs)
         for splits in (int(s) for s in args.splits.split(",")):
             for block_n in (int(n) for n in args.block_n.split(",")):

@@ -82,15 +82,20 @@ def available_candidates() -> tuple[str, ...]:
     return tuple(names)
 
 
-def make_layout(candidate: str, weight: torch.Tensor) -> Layout:
-    """`weight` `[out, in]` in the layout `candidate` multiplies."""
+def make_layout(candidate: str, weight: torch.Tensor, out: Layout | None = None) -> Layout:
+    """`weight` `[out, in]` in the layout `candidate` multiplies; with `out`
+    (that layout of an earlier weight of the same shape), written into its
+    storage where the layout allows (all but oneDNN's opaque one, made anew)."""
     weight = weight.detach()
     if candidate == "linear":
-        return weight.contiguous()
+        if out is None:
+            return weight.contiguous()
+        return out if out.data_ptr() == weight.data_ptr() else out.copy_(weight)
     if candidate == "mm_t":
-        return empty_huge((weight.shape[1], weight.shape[0])).copy_(weight.t())
+        target = empty_huge((weight.shape[1], weight.shape[0])) if out is None else out
+        return target.copy_(weight.t())
     if candidate == "packed":
-        return cpu_gemm.pack_weight(weight)
+        return cpu_gemm.pack_weight(weight, out=out)
     if candidate == "mkldnn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     raise ValueError(f"unknown GEMM candidate {candidate!r}")
@@ -255,24 +260,12 @@ class PlannedGemm:
         return torch.empty(self.out_features, self.in_features)
 
     def load(self, weight: torch.Tensor) -> None:
-        """Every layout refreshed from `weight` `[out, in]`, in the storage
-        it had where the layout allows (all but oneDNN's opaque one): a
-        weight update costs a copy per layout, not a rebuilt model."""
+        """Every layout refreshed from `weight` `[out, in]` in the storage it
+        had where the layout allows (`make_layout`): a weight update costs a
+        copy per layout, not a rebuilt model."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight {tuple(weight.shape)} != ({self.out_features}, {self.in_features})")
-        weight = weight.detach()
-        layouts = dict(self.layouts)
-        for candidate, layout in self.layouts.items():
-            if candidate == "linear":
-                if layout.data_ptr() != weight.data_ptr():
-                    layout.copy_(weight)
-            elif candidate == "mm_t":
-                layout.copy_(weight.t())
-            elif candidate == "packed":
-                cpu_gemm.pack_weight(weight, out=layout)
-            else:
-                layouts[candidate] = make_layout(candidate, weight)
-        self._bind(layouts)
+        self._bind({c: make_layout(c, weight, out=layout) for c, layout in self.layouts.items()})
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -234,19 +234,12 @@ def _serve() -> str:
     return str(Path(sys.executable).with_name("serve"))
 
 
-def free_port_pair() -> int:
-    """A free port whose successor is free too: for `serve run <import path>`."""
-    while not _builder().port_free((port := free_port()) + 1):
-        pass  # the proxy's port is taken: pick another pair
-    return port
-
-
 def serve_run(args: list[str], log_path: Path, port: int | None = None) -> ServeProcess:
     """`serve run <import path> [key=value ...]` as the README gives it, on
-    `port` (by default a free one, see `free_port_pair`): the replica
+    `port` (by default a free pair, see `held_port`): the replica
     answers `base_url` itself (Serve's direct ingress) and Serve's proxy
     listens one port above (`ports[1]`)."""
-    port = port or free_port_pair()
+    port = port or held_port(pair=True)
     return ServeProcess([_serve(), "run", *args], log_path, base_url=f"http://127.0.0.1:{port}",
                         ports=(port, port + 1), env={_builder().SERVE_RUN_PORT_ENV: str(port)})
 
