@@ -36,7 +36,12 @@ if TYPE_CHECKING:
 # (ray.util.state) some tests read. The driver joins Serve's namespace (as
 # `serve run` does), where a test finds Serve's controller; engine actors
 # name their own namespaces.
-RAY_LOCAL_INIT: dict[str, object] = dict(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
+# Processes report their metrics every second, not Ray's 10 (the
+# Prometheus test reads them; nothing else waits on them).
+RAY_LOCAL_INIT: dict[str, object] = dict(
+    address="local", num_cpus=8, include_dashboard=True, log_to_driver=False,
+    _system_config={"metrics_report_interval_ms": 1000},
+)
 
 
 class SharedRay:

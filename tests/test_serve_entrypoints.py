@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -73,12 +74,62 @@ def _stream_through_sigterm(proc: ServeProcess, url: str, model: str, max_tokens
         time.sleep(0.2)  # waiting for other processes to exit, not synchronisation
 
 
-def test_serve_run_demo_app(tmp_path: Path) -> None:
+def _start_demo_app(workdir: Path, model: Path) -> ServeProcess:
+    return serve_run(["serve_app:app"], workdir / "serve.log")
+
+
+def _start_config_file(workdir: Path, model: Path) -> ServeProcess:
+    return serve_run_config(REPO / "serve_config.yaml", workdir / "serve.log")
+
+
+def _start_cli(workdir: Path, model: Path) -> ServeProcess:
+    cli = str(Path(sys.executable).with_name("rayvllm"))
+    port, proxy_port = free_port(), free_port()
+    return ServeProcess(
+        [cli, "serve", "--model", str(model), "--served-model-name", "cli-model", "--max-model-len", "256",
+         "--kv-cache-memory-bytes", str(32 << 20), "--disable-access-log", "--port", str(port),
+         "--proxy-port", str(proxy_port)],
+        workdir / "serve.log", base_url=f"http://127.0.0.1:{port}", ports=(port, proxy_port),
+    )
+
+
+HAS_CLI = Path(sys.executable).with_name("rayvllm").exists()
+# Each test's server, by the test's name.
+STARTS: dict[str, Callable[[Path, Path], ServeProcess]] = {
+    "test_serve_run_demo_app": _start_demo_app,
+    "test_serve_run_config_file": _start_config_file,
+    "test_rayvllm_serve_cli": _start_cli,
+}
+
+
+@pytest.fixture(scope="module")
+def servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[dict[str, ServeProcess]]:
+    """The servers of this module's selected tests, started at once (each
+    its own cluster, on its own ports): a start spends half its time
+    waiting on its own processes, so side by side they take little longer
+    than one alone. Each test stops its own; whatever is left stops here."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    if not HAS_CLI:
+        selected.discard("test_rayvllm_serve_cli")
+    procs: dict[str, ServeProcess] = {}
+    try:
+        for name, start in STARTS.items():
+            if name in selected:
+                procs[name] = start(tmp_path_factory.mktemp(name.removeprefix("test_")), tiny_model_dir)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
     """The README's command takes the fast path: the LLMServer replica
     itself listens on the port (:8000 unless RAYVLLM_SERVE_RUN_PORT says
     otherwise; Serve's direct ingress) and the proxy, one port above,
     serves the same app. SIGTERM drains it."""
-    proc = serve_run(["serve_app:app"], tmp_path / "serve.log")
+    proc = servers["test_serve_run_demo_app"]
     port, proxy_port = proc.ports
     try:
         proc.wait_ready()
@@ -93,21 +144,15 @@ def test_serve_run_demo_app(tmp_path: Path) -> None:
         proc.stop()
 
 
-def test_serve_run_config_file(tmp_path: Path) -> None:
-    _check_demo(serve_run_config(REPO / "serve_config.yaml", tmp_path / "serve.log"))
+def test_serve_run_config_file(servers: dict[str, ServeProcess]) -> None:
+    _check_demo(servers["test_serve_run_config_file"])
 
 
-@pytest.mark.skipif(not Path(sys.executable).with_name("rayvllm").exists(), reason="console script not installed")
-def test_rayvllm_serve_cli(tmp_path: Path, tiny_model_dir: Path) -> None:
-    cli = str(Path(sys.executable).with_name("rayvllm"))
-    port, proxy_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = ServeProcess(
-        [cli, "serve", "--model", str(tiny_model_dir), "--served-model-name", "cli-model", "--max-model-len", "256",
-         "--kv-cache-memory-bytes", str(32 << 20), "--disable-access-log", "--port", str(port),
-         "--proxy-port", str(proxy_port)],
-        tmp_path / "serve.log", base_url=url, ports=(port, proxy_port),
-    )
+@pytest.mark.skipif(not HAS_CLI, reason="console script not installed")
+def test_rayvllm_serve_cli(servers: dict[str, ServeProcess]) -> None:
+    proc = servers["test_rayvllm_serve_cli"]
+    url = proc.base_url
+    proxy_port = proc.ports[1]
     try:
         proc.wait_ready()
         models = requests.get(f"{url}/v1/models", timeout=10).json()

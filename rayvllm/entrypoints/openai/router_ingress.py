@@ -33,7 +33,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES, SERVER_ACTOR_OPTIONS
+from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES, REPLICA_HEALTH_CHECK, SERVER_ACTOR_OPTIONS
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead
 from rayvllm.entrypoints.openai.http_route import authorize, error_response, read_json
@@ -102,7 +102,9 @@ async def _relay(
         parts.cancel()
 
 
-@serve.deployment(name="OpenAIRouter", ray_actor_options=SERVER_ACTOR_OPTIONS, max_ongoing_requests=4096)
+@serve.deployment(
+    name="OpenAIRouter", ray_actor_options=SERVER_ACTOR_OPTIONS, max_ongoing_requests=4096, **REPLICA_HEALTH_CHECK
+)
 @serve.ingress(app)
 class OpenAIRouter:
     """Invariant: every request reaches exactly one `LLMServer` replica, in
