@@ -44,8 +44,10 @@ BASE_URL = f"http://127.0.0.1:{PORT}"  # the replica itself (Serve's direct ingr
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     args = [f"{k}={v}" for k, v in ENGINE.items()]
+    # `--app-dir` (where the import path is found; the checkout, as the
+    # harness runs from there) keeps the fast path: BASE_URL is the replica's.
     proc = serve_run(
-        ["serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
+        ["--app-dir", ".", "serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
          f"max_pending_requests={MAX_PENDING}", f"max_request_bytes={MAX_REQUEST_BYTES}", *args],
         tmp_path_factory.mktemp("serve") / "serve.log",
         port=PORT,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME
+from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, _serve_run_import_path
 
 from serve_harness import REPO, ServeProcess, free_port, serve_run, serve_run_config
 
@@ -176,3 +176,23 @@ def test_build_app_access_log_switch() -> None:
     quiet = build_app({"disable_access_log": "true"})._bound_deployment._deployment_config.logging_config
     assert quiet is not None and quiet["enable_access_log"] is False
     assert build_app({})._bound_deployment._deployment_config.logging_config is None
+
+
+@pytest.mark.parametrize("args,target", [
+    (["serve_app:app"], "serve_app:app"),
+    (["--app-dir", ".", "serve_app:build_app", "model=m"], "serve_app:build_app"),
+    (["-d", "src", "--name=x", "serve_app:app", "--non-blocking", "--reload"], "serve_app:app"),
+    (["serve_config.yaml", "--route-prefix", "/v"], "serve_config.yaml"),
+    # Options that shape the cluster leave it to `serve run`.
+    (["--address", "local", "serve_app:app"], None),
+    (["-a", "ray://head:10001", "serve_app:app"], None),
+    (["--runtime-env-json", "{}", "serve_app:app"], None),
+    (["--working-dir=.", "serve_app:app"], None),
+    (["--unknown", "serve_app:app"], None),
+    (["serve_app:app", "--app-dir"], None),
+])
+def test_serve_run_options_that_keep_the_fast_path(args: list[str], target: str | None) -> None:
+    """`serve_app` starts the cluster with direct ingress before `serve run`
+    would only when no option of the command asks for another cluster
+    (test_serve_app's server runs with `--app-dir` on the fast path)."""
+    assert _serve_run_import_path(args) == target

@@ -114,19 +114,21 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
     path's TTFT: docs/BENCHMARKS.md) only on a cluster started with it. But it
     imports the app before it calls `ray.init`, and then uses the cluster
     and the Serve instance it finds running. So when this process is that
-    command about to start a local cluster (no options, no RAY_ADDRESS, no
-    cluster running here, no direct-ingress setting of the user's), start
-    both now: the replica answers `port` itself and Serve's proxy moves to
-    `port + 1`. `port`: by default `SERVE_RUN_PORT_ENV`'s value, else
-    `SERVE_RUN_PORT`. Returns whether it did; otherwise `serve run` goes on
-    as it would (proxy on :8000)."""
+    command about to start a local cluster (no option that shapes the
+    cluster, see `_serve_run_import_path`; no RAY_ADDRESS, no cluster
+    running here, no direct-ingress setting of the user's), start both now:
+    the replica answers `port` itself and Serve's proxy moves to `port + 1`.
+    `port`: by default `SERVE_RUN_PORT_ENV`'s value, else `SERVE_RUN_PORT`.
+    Returns whether it did; otherwise `serve run` goes on as it would (proxy
+    on :8000)."""
     argv = sys.argv if argv is None else argv
     if port is None:
         port = int(os.environ.get(SERVE_RUN_PORT_ENV, SERVE_RUN_PORT))
     if len(argv) < 3 or Path(argv[0]).name != "serve" or argv[1] != "run":
         return False
-    if any(a.startswith("-") for a in argv[2:]) or Path(argv[2]).is_file():
-        return False  # options, or a config file: `serve run` applies them itself
+    target = _serve_run_import_path(argv[2:])
+    if target is None or Path(target).is_file():
+        return False  # a cluster-shaping option, or a config file: `serve run` applies them itself
     if ray.is_initialized() or any(k.startswith("RAY_SERVE_") and "DIRECT_INGRESS" in k for k in os.environ):
         return False
     from ray._private.services import canonicalize_bootstrap_address
@@ -140,6 +142,37 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
     serve.start(http_options={"host": "127.0.0.1", "port": port + 1})
     drain_on_sigterm()
     return True
+
+
+# `serve run`'s options that leave the cluster as `ray.init()` would start
+# it here: with a value, and without.
+_SERVE_RUN_VALUE_OPTIONS = frozenset({"--app-dir", "-d", "--route-prefix", "--name"})
+_SERVE_RUN_FLAGS = frozenset({"--blocking", "--non-blocking", "--reload", "-r"})
+
+
+def _serve_run_import_path(args: Sequence[str]) -> str | None:
+    """The import path (or config file) of `serve run ARGS`, or None when
+    an option shapes the cluster: a runtime environment or working
+    directory (`serve run` hands them to its own `ray.init`), an address
+    (a cluster to join, or `local`, which `serve run` would then find
+    contradicted), or an option not known here."""
+    positional: list[str] = []
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        if not arg.startswith("-"):
+            positional.append(arg)
+            continue
+        name, sep, _ = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name in _SERVE_RUN_FLAGS and not sep:
+            continue
+        if name not in _SERVE_RUN_VALUE_OPTIONS:
+            return None
+        if not sep:
+            if not rest:
+                return None
+            rest.pop(0)
+    return positional[0] if positional else None
 
 
 def drain_on_sigterm() -> None:
