@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, _serve_run_import_path
+from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, serve_run_import_path
 
 from serve_harness import REPO, ServeProcess, free_port, serve_run, serve_run_config
 
@@ -195,4 +195,4 @@ def test_serve_run_options_that_keep_the_fast_path(args: list[str], target: str 
     """`serve_app` starts the cluster with direct ingress before `serve run`
     would only when no option of the command asks for another cluster
     (test_serve_app's server runs with `--app-dir` on the fast path)."""
-    assert _serve_run_import_path(args) == target
+    assert serve_run_import_path(args) == target

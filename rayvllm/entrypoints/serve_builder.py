@@ -115,7 +115,7 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
     imports the app before it calls `ray.init`, and then uses the cluster
     and the Serve instance it finds running. So when this process is that
     command about to start a local cluster (no option that shapes the
-    cluster, see `_serve_run_import_path`; no RAY_ADDRESS, no cluster
+    cluster, see `serve_run_import_path`; no RAY_ADDRESS, no cluster
     running here, no direct-ingress setting of the user's), start both now:
     the replica answers `port` itself and Serve's proxy moves to `port + 1`.
     `port`: by default `SERVE_RUN_PORT_ENV`'s value, else `SERVE_RUN_PORT`.
@@ -126,7 +126,7 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
         port = int(os.environ.get(SERVE_RUN_PORT_ENV, SERVE_RUN_PORT))
     if len(argv) < 3 or Path(argv[0]).name != "serve" or argv[1] != "run":
         return False
-    target = _serve_run_import_path(argv[2:])
+    target = serve_run_import_path(argv[2:])
     if target is None or Path(target).is_file():
         return False  # a cluster-shaping option, or a config file: `serve run` applies them itself
     if ray.is_initialized() or any(k.startswith("RAY_SERVE_") and "DIRECT_INGRESS" in k for k in os.environ):
@@ -150,7 +150,7 @@ _SERVE_RUN_VALUE_OPTIONS = frozenset({"--app-dir", "-d", "--route-prefix", "--na
 _SERVE_RUN_FLAGS = frozenset({"--blocking", "--non-blocking", "--reload", "-r"})
 
 
-def _serve_run_import_path(args: Sequence[str]) -> str | None:
+def serve_run_import_path(args: Sequence[str]) -> str | None:
     """The import path (or config file) of `serve run ARGS`, or None when
     an option shapes the cluster: a runtime environment or working
     directory (`serve run` hands them to its own `ray.init`), an address
