@@ -72,9 +72,10 @@ def _complete(handle: Any) -> list[int]:
 
 def test_two_replicas_own_their_groups_and_a_killed_one_leaks_nothing(others: set[str], tiny_model_dir: Path) -> None:
     engine, _ = split_args({"model": str(tiny_model_dir), **ENGINE_ARGS})
-    app = LLMServer.options(num_replicas=2, **replica_placement(engine)).bind(  # type: ignore[attr-defined]
-        engine.model_dump(exclude_unset=True)
-    )
+    # Serve finds the killed replica at its next health check: soon, here.
+    app = LLMServer.options(  # type: ignore[attr-defined]
+        num_replicas=2, health_check_period_s=1, **replica_placement(engine)
+    ).bind(engine.model_dump(exclude_unset=True))
     handle = serve.run(app, name=APP, route_prefix=None)
     expected = _complete(handle)
     assert len(expected) == 3
