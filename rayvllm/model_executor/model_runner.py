@@ -33,7 +33,7 @@ from rayvllm.distributed.parallel_state import (
 )
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
-from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory, return_freed_memory
+from rayvllm.kernels.host_memory import keep_freed_memory, return_freed_memory, zeros_huge
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput
@@ -261,7 +261,7 @@ class ModelRunner:
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A KV cache tensor; on the CPU on huge pages, since decode attention streams it."""
         if self.device.type == "cpu":
-            return empty_huge(tuple(shape), self.dtype).zero_()
+            return zeros_huge(tuple(shape), self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _cuda_graphs_enabled(self) -> bool:

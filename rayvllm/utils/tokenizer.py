@@ -35,18 +35,23 @@ def get_tokenizer(
     Raises InvalidParameterError("tokenizer", ...) when nothing loadable is
     there, so a bad `--tokenizer` flag reads as a config error, not a trace.
     """
-    # Imported here: transformers takes seconds to import and most modules
-    # that import this one (config, tests of the core) never need it.
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path),
-            trust_remote_code=trust_remote_code,
-            revision=revision,
-            use_fast=True,
-            **kwargs,
-        )
+        if revision is None and not kwargs and _is_plain_backend(Path(path)):
+            # Imported here: transformers takes seconds to import and most
+            # modules that import this one (config, tests of the core) never need it.
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            tokenizer = TokenizersBackend.from_pretrained(str(path))
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path),
+                trust_remote_code=trust_remote_code,
+                revision=revision,
+                use_fast=True,
+                **kwargs,
+            )
     except (OSError, ValueError, KeyError) as e:
         raise InvalidParameterError("tokenizer", f"cannot load a tokenizer from {str(path)!r}: {e}") from e
     if not getattr(tokenizer, "is_fast", False):
@@ -54,6 +59,39 @@ def get_tokenizer(
         # cost a lot more per token; say so once, at load time.
         logger.warning("Using a slow tokenizer for %s; incremental detokenization will be slower.", path)
     return tokenizer
+
+
+def _is_plain_backend(directory: Path) -> bool:
+    """Whether `AutoTokenizer` is certain to load this local directory as a
+    `TokenizersBackend` over its tokenizer.json, whatever the model's
+    config holds: its tokenizer config names that class (or its alias
+    `PreTrainedTokenizerFast`) and no custom code, and the model type is
+    not one whose declared class transformers overrides (its own lists).
+    Loading that class directly skips `AutoConfig`, whose import of the
+    model's config module brings in torch.distributed.tensor and sympy:
+    seconds on the start of every front end and Serve replica."""
+    try:
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        model_config = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not (directory / "tokenizer.json").is_file() or "auto_map" in tokenizer_config:
+        return False
+    if tokenizer_config.get("tokenizer_class") not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return False
+    from transformers.models.auto.tokenization_auto import (
+        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+        TOKENIZER_MAPPING_NAMES,
+    )
+
+    model_type, model_name = model_config.get("model_type"), model_config.get("model_name")
+    overridden = MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    return (
+        isinstance(model_type, str)
+        and model_type not in overridden
+        and not (isinstance(model_name, str) and model_name in overridden)
+        and TOKENIZER_MAPPING_NAMES.get(model_type) != "MistralCommonBackend"
+    )
 
 
 def _as_id_list(value: object) -> list[int]:
