@@ -124,8 +124,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def two_replicas(serve_local: str, tiny_model_dir: Path) -> Iterator[tuple[serve.handle.DeploymentHandle, str]]:
     """Two replicas behind the router ingress: its handle, and its URL through Serve's proxy."""
+    # Serve replaces the killed router ingress after its next health check: soon, here.
     args = dict(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=1100, kv_cache_memory_bytes=8 << 20,
-                num_replicas=2, api_key=API_KEY)
+                num_replicas=2, api_key=API_KEY, health_check_period_s=1)
     try:
         yield serve.run(build_app(args), name="kvr", route_prefix="/kvr"), f"{serve_local}/kvr"
     finally:

@@ -48,7 +48,9 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     # harness runs from there) keeps the fast path: BASE_URL is the replica's.
     proc = serve_run(
         ["--app-dir", ".", "serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
-         f"max_pending_requests={MAX_PENDING}", f"max_request_bytes={MAX_REQUEST_BYTES}", *args],
+         f"max_pending_requests={MAX_PENDING}", f"max_request_bytes={MAX_REQUEST_BYTES}",
+         # A killed replica is found at the next health check: soon, here.
+         "health_check_period_s=1", *args],
         tmp_path_factory.mktemp("serve") / "serve.log",
         port=PORT,
     )

@@ -178,6 +178,23 @@ def test_build_app_access_log_switch() -> None:
     assert build_app({})._bound_deployment._deployment_config.logging_config is None
 
 
+def test_build_app_health_check_period() -> None:
+    """`health_check_period_s` is the period of Serve's checks of the
+    replicas and of the router ingress in front of several; by default
+    Serve's own 10 s."""
+    from rayvllm.entrypoints.serve_builder import build_app
+
+    def period(app: object) -> float:
+        return app._bound_deployment._deployment_config.health_check_period_s  # type: ignore[attr-defined]
+
+    assert period(build_app({})) == 10.0
+    assert period(build_app({"health_check_period_s": "1.5"})) == 1.5
+    routed = build_app({"health_check_period_s": 2, "num_replicas": 2})
+    assert period(routed) == 2.0
+    (replicas,) = routed._bound_deployment.init_args[:1]  # type: ignore[attr-defined]
+    assert period(replicas) == 2.0
+
+
 @pytest.mark.parametrize("args,target", [
     (["serve_app:app"], "serve_app:app"),
     (["--app-dir", ".", "serve_app:build_app", "model=m"], "serve_app:build_app"),

@@ -211,6 +211,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
     options = replica_placement(engine)
     options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
+    options["health_check_period_s"] = server.health_check_period_s
     if server.autoscaling_config is None:
         options["num_replicas"] = server.num_replicas
     else:
@@ -231,7 +232,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     # hands the request router its prompt's tokens (router_ingress.py).
     from rayvllm.entrypoints.openai.router_ingress import OpenAIRouter
 
-    ingress: dict[str, Any] = {"graceful_shutdown_timeout_s": server.drain_timeout_s}
+    ingress: dict[str, Any] = {
+        "graceful_shutdown_timeout_s": server.drain_timeout_s, "health_check_period_s": server.health_check_period_s,
+    }
     if server.disable_access_log:
         ingress["logging_config"] = LoggingConfig(enable_access_log=False)
     return OpenAIRouter.options(**ingress).bind(servers, given, **server.model_dump())  # type: ignore[attr-defined]

@@ -79,11 +79,13 @@ SERVER_ACTOR_OPTIONS: dict[str, Any] = {
 }
 
 # Serve finds a dead replica (a killed process, an engine that failed for
-# good) at its next health check: every 10 s, Serve's period, as every 2 s
-# cost burst throughput on a small machine (docs/BENCHMARKS.md). A slow
-# answer is not a dead engine: a long step or a weight load may hold it, hence the
-# long timeout.
-REPLICA_HEALTH_CHECK: dict[str, Any] = {"health_check_period_s": 10, "health_check_timeout_s": 60}
+# good) at its next health check (`health_check_period_s`, a server option).
+# A slow answer is not a dead engine: a long step or a weight load may hold
+# it, hence the long timeout.
+REPLICA_HEALTH_CHECK: dict[str, Any] = {
+    "health_check_period_s": ServerArgs.model_fields["health_check_period_s"].default,
+    "health_check_timeout_s": 60,
+}
 
 
 class LLMServerImpl:

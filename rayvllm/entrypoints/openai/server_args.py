@@ -58,6 +58,11 @@ class ServerArgs(BaseModel):
     # Serve stops routing to a replica that shuts down, waits for its
     # requests up to this long, then stops it (its graceful_shutdown_timeout_s).
     drain_timeout_s: float = Field(30.0, description="on shutdown, how long in-flight requests get to finish")
+    # Serve's own period: checking every 2 s cost burst throughput on a small
+    # machine (docs/BENCHMARKS.md); shorter finds a dead replica sooner.
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="how often Serve checks each replica; a dead one is replaced after its next check"
+    )
     step_timeout_s: float | None = Field(
         None, description="an engine step running longer is taken for a hang: the engine is restarted, "
         "its requests resumed; unset: AsyncLLM's STEP_TIMEOUT_S",
