@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import mmap
 import sys
 from functools import lru_cache
 
@@ -86,27 +85,6 @@ def return_freed_memory() -> bool:
         return False
     malloc_trim(0)
     return True
-
-
-def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`torch.zeros(shape, dtype)` on the CPU, on huge pages like
-    `empty_huge`, without writing a byte: a private anonymous mapping of
-    its own, whose pages the kernel hands out zeroed at their first touch
-    (reads of an untouched page see the shared zero page). A large KV
-    cache so costs nothing at start (`zero_()` on one faults in every
-    page: seconds per GiB) and memory only as its blocks are written;
-    unmapped when the tensor dies. Elsewhere it is `torch.zeros`."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(area, dtype=torch.uint8)  # holds `area` for the tensor's life
-    offset = -raw.data_ptr() % HUGE_PAGE
-    try:
-        area.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
-    except OSError:
-        pass  # huge pages off in this kernel: ordinary pages, still zeroed
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:

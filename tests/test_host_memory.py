@@ -24,41 +24,6 @@ def test_empty_huge_is_aligned_and_usable() -> None:
     assert small.shape == (4, 5) and small.dtype == torch.int64
 
 
-def _rss() -> int:
-    """Resident bytes of this process (Linux)."""
-    import resource
-
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-def test_zeros_huge_is_zero_aligned_and_resident_only_where_written() -> None:
-    """A large buffer reads as zeros without having been written (its
-    pages are the kernel's, zeroed at first touch), takes memory only for
-    the pages written, and gives it back when it dies; a small one is
-    `torch.zeros`. Behind the KV cache: a large one costs nothing at start."""
-    from rayvllm.kernels.host_memory import HUGE_PAGE, zeros_huge
-
-    linux = sys.platform.startswith("linux")
-    before = _rss() if linux else 0
-    big = zeros_huge((64, 1 << 20), torch.bfloat16)  # 128 MiB
-    assert big.shape == (64, 1 << 20) and big.dtype == torch.bfloat16 and big.is_contiguous()
-    assert not big.any()  # read, not written: still no memory of its own
-    if linux:
-        assert big.data_ptr() % HUGE_PAGE == 0
-        assert _rss() - before < 32 << 20
-    big[3].fill_(1.5)
-    assert float(big.float().sum()) == 1.5 * (1 << 20)
-    big[5:].fill_(1.0)  # 118 MiB written
-    if linux:
-        assert _rss() - before > 100 << 20
-    del big
-    if linux:
-        assert _rss() - before < 32 << 20
-    small = zeros_huge((4, 5), torch.int64)
-    assert small.dtype == torch.int64 and not small.any()
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_keep_freed_memory_takes_on_glibc() -> None:
     """Both malloc settings are accepted where glibc is the allocator (the

@@ -33,7 +33,7 @@ from rayvllm.distributed.parallel_state import (
 )
 from rayvllm.kernels import cpu_attention
 from rayvllm.kernels.backends import select_attention_backend
-from rayvllm.kernels.host_memory import keep_freed_memory, return_freed_memory, zeros_huge
+from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory, return_freed_memory
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
 from rayvllm.kernels.omp_runtime import release_thread_team
 from rayvllm.messages.engine_types import LogprobsLists, ModelRunnerOutput
@@ -259,9 +259,12 @@ class ModelRunner:
         return caches
 
     def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A KV cache tensor; on the CPU on huge pages, since decode attention streams it."""
+        """A KV cache tensor; on the CPU on huge pages, since decode attention
+        streams it. Written through at start: pages left for the kernel to
+        fault in as blocks are first used cost steps more than the write
+        saves at start (docs/BENCHMARKS.md, issue 26)."""
         if self.device.type == "cpu":
-            return zeros_huge(tuple(shape), self.dtype)
+            return empty_huge(tuple(shape), self.dtype).zero_()
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _cuda_graphs_enabled(self) -> bool:
