@@ -48,6 +48,9 @@ def test_which_directories_skip_auto_tokenizer(model_dirs: dict[str, Path], tmp_
                                          tokenizer_class="Qwen2Tokenizer"))
     assert not _is_plain_backend(_edited(llama, tmp_path / "phi3", "config.json", model_type="phi3"))
     assert not _is_plain_backend(tmp_path / "missing")
+    listed = shutil.copytree(llama, tmp_path / "listed")
+    (listed / "config.json").write_text("[]")
+    assert not _is_plain_backend(listed)
 
 
 @pytest.mark.parametrize("name", ["demo", "llama", "qwen2", "qwen3"])

@@ -75,6 +75,8 @@ def _is_plain_backend(directory: Path) -> bool:
         model_config = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    if not (isinstance(tokenizer_config, dict) and isinstance(model_config, dict)):
+        return False
     if not (directory / "tokenizer.json").is_file() or "auto_map" in tokenizer_config:
         return False
     if tokenizer_config.get("tokenizer_class") not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
