@@ -24,7 +24,9 @@ TEXTS = ["Hello, my name is", "  spaces\tand\nlines  ", "<|im_start|>user\nhi<|i
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tokenizers")
-    dirs = {arch: build_random_model(root / arch, RandomModelSpec(arch=arch, seed=5)) for arch in ("llama", "qwen2", "qwen3")}
+    dirs = {
+        arch: build_random_model(root / arch, RandomModelSpec(arch=arch, seed=5)) for arch in ("llama", "qwen2", "qwen3")
+    }
     return {"demo": demo_model_path(), **dirs}
 
 
