@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import build_model, cpu_line, format_table  # noqa: E402
+from _common import build_model, cpu_line, format_table, median  # noqa: E402
 
 CHILD = """
 import json, sys, time
@@ -53,7 +52,7 @@ def one_start(engine: str, model: Path, tp: int) -> dict[str, float]:
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    return f"{median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:

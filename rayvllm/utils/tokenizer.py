@@ -35,10 +35,11 @@ def get_tokenizer(
     Raises InvalidParameterError("tokenizer", ...) when nothing loadable is
     there, so a bad `--tokenizer` flag reads as a config error, not a trace.
     """
+    # transformers is imported below, not at the top: it takes seconds to
+    # import and most modules that import this one (config, tests of the
+    # core) never need it.
     try:
         if revision is None and not kwargs and _is_plain_backend(Path(path)):
-            # Imported here: transformers takes seconds to import and most
-            # modules that import this one (config, tests of the core) never need it.
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
             tokenizer = TokenizersBackend.from_pretrained(str(path))
