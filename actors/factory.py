@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rayvllm.actors.executor_factory import create_executor
 from rayvllm.config import EngineConfig
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
@@ -49,6 +48,8 @@ def make_engine_core(
         raise InvalidParameterError(
             "placement_group", "needs the Ray backend (distributed_executor_backend='ray' or a parallel size above 1)"
         )
+    from rayvllm.actors.executor_factory import create_executor
+
     return InprocClient(config, lambda dp_rank: create_executor(config, dp_rank), threaded)
 
 

@@ -10,7 +10,8 @@ from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import ChannelServer
 from rayvllm.messages.engine_types import ModelRunnerOutput
 from rayvllm.messages.scheduler_output import SchedulerOutput
-from rayvllm.worker.worker import create_worker, free_port
+from rayvllm.utils.network import free_port
+from rayvllm.worker.worker import create_worker
 
 
 @ray.remote

@@ -70,7 +70,7 @@ class SharedRay:
         8000, may belong to anyone on the machine)."""
         from ray import serve
 
-        from rayvllm.worker.worker import free_port
+        from rayvllm.utils.network import free_port
 
         self.connect()
         if not self.serve_up:

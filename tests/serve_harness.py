@@ -20,7 +20,7 @@ from types import ModuleType
 import requests
 import yaml
 
-from rayvllm.worker.worker import free_port
+from rayvllm.utils.network import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

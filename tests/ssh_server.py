@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from rayvllm.entrypoints.serve_builder import port_listening
-from rayvllm.worker.worker import free_port
+from rayvllm.utils.network import free_port
 
 APT_TIMEOUT_S = 600
 SSHD = "/usr/sbin/sshd"

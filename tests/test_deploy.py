@@ -36,7 +36,7 @@ import requests
 import yaml
 
 from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, DEMO_MODEL_NAME
-from rayvllm.worker.worker import free_port
+from rayvllm.utils.network import free_port
 from ssh_server import SSHD, SSHServer, NodeUser, ensure_debian_packages
 
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(1200)]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
-from rayvllm.worker.worker import free_port
+from rayvllm.utils.network import free_port
 
 http_util = pytest.importorskip("ray.serve._private.http_util")
 

@@ -377,7 +377,7 @@ def _http_sync(weights: dict[str, Any]) -> None:
     """A trainer in this process (rank 0 of a gloo group on a free port)
     drives the replica's engine through the four weight-transfer routes."""
     from rayvllm.distributed.weight_transfer import TransferGroup, WeightUpdateInfo
-    from rayvllm.worker.worker import free_port
+    from rayvllm.utils.network import free_port
 
     port = free_port()
     init = {"init_info": {"backend": "gloo", "master_address": "127.0.0.1", "master_port": port, "world_size": 2}}

@@ -23,7 +23,7 @@ import torch
 from rayvllm.distributed.weight_transfer import TransferGroup, WeightUpdateInfo, check_transfer_backend
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.messages.errors import InvalidParameterError
-from rayvllm.worker.worker import free_port
+from rayvllm.utils.network import free_port
 
 
 def sync_weights(client: EngineCoreClient, weights: Any, backend: str = "ray") -> None:

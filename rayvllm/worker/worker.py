@@ -8,7 +8,6 @@ the in-process executor holds one directly."""
 from __future__ import annotations
 
 import importlib
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -28,12 +27,6 @@ from rayvllm.models.loader import checkpoint_spec
 from rayvllm.worker.core_share import CoreShare
 from rayvllm.worker.extensions import create_model_runner
 from rayvllm.worker.weight_transfer import WeightReceiver
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class Worker:
