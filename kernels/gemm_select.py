@@ -280,10 +280,21 @@ class GemmModule(Protocol):
     def use_gemm_plan(self, plan: GemmPlan) -> None: ...
 
 
-def plan_modules(modules: Sequence[GemmModule], use_c_kernels: bool) -> None:
+# Every row count on the C kernel: it sums each output over K in one fixed
+# order whatever the rows beside it, where oneDNN and MKL choose their
+# kernels (and so their summation order) by row count.
+BATCH_INVARIANT_PLAN = GemmPlan(("packed",) * len(ROW_BUCKETS))
+
+
+def plan_modules(modules: Sequence[GemmModule], use_c_kernels: bool, batch_invariant: bool = False) -> None:
     """Give every module the plan of its weight shape: one plan per shape
     (cached, or timed on that shape's weights); the C kernel is a candidate
-    only with `use_c_kernels`."""
+    only with `use_c_kernels`. With `batch_invariant`, `BATCH_INVARIANT_PLAN`
+    for all (the caller checked that the C kernel is available)."""
+    if batch_invariant:
+        for module in modules:
+            module.use_gemm_plan(BATCH_INVARIANT_PLAN)
+        return
     candidates = [c for c in available_candidates() if use_c_kernels or c != "packed"]
     groups: dict[tuple[int, ...], list[GemmModule]] = {}
     for module in modules:

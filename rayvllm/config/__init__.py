@@ -466,6 +466,14 @@ class EngineConfig:
         "auto",
     )
     enforce_eager: bool = config_field("never capture CUDA graphs (the CPU always runs eager)", False)
+    # Batch invariance comes from kernels that reduce in one fixed order per
+    # token: the C GEMM (each output summed over K in order, whatever the
+    # rows beside it) and the C attention kernel for every token, prefill
+    # tokens included (each its own exact softmax over its context).
+    deterministic: bool = config_field(
+        "batch-invariant mode: a request's tokens and logprobs are bitwise the same whatever else shares its "
+        "batch and however its prompt is chunked (float32 on the CPU; slower, see docs/BENCHMARKS.md)", False,
+    )
     speculative_config: SpeculativeConfig | None = config_field(
         'speculative decoding, a JSON object such as {"method": "ngram", "num_speculative_tokens": 3}; '
         f"its keys: {', '.join(SpeculativeConfig.__dataclass_fields__)}",
@@ -485,3 +493,24 @@ class EngineConfig:
                 "attention_backend",
                 f"unknown backend {self.attention_backend!r}; expected one of {', '.join(ATTENTION_BACKENDS)}",
             )
+        if self.deterministic:
+            self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        """What batch-invariant mode cannot cover yet is refused, not run
+        with a silent exception: its kernels are the CPU's float32 ones, and
+        LoRA's and speculation's own paths have no fixed-order variant."""
+        needs = {
+            "device='cpu'": self.device == "cpu",
+            "dtype float32": self.model_config.dtype == torch.float32,
+            "attention_backend auto or torch": self.attention_backend in ("auto", "torch"),
+            # Two ranks' partial sums add in either order to the same bits;
+            # gloo's ring over more ranks orders them by where an element
+            # falls in its chunks, which moves with the batch's size.
+            "tensor_parallel_size <= 2": self.parallel_config.tensor_parallel_size <= 2,
+            "no LoRA": self.lora_config is None,
+            "no speculative decoding": self.speculative_config is None,
+        }
+        missing = [need for need, met in needs.items() if not met]
+        if missing:
+            raise InvalidParameterError("deterministic", f"batch-invariant mode needs {', '.join(missing)}")

@@ -234,6 +234,7 @@ class EngineArgs(
             max_logprobs=self.max_logprobs,
             attention_backend=self.resolve_attention_backend(),
             enforce_eager=self.enforce_eager,
+            deterministic=self.deterministic,
             speculative_config=self.create_speculative_config(model_config),
             lora_config=self.create_lora_config(),
             kv_offload_config=self.create_kv_offload_config(model_config, parallel_config),

@@ -31,7 +31,7 @@ from rayvllm.distributed.parallel_state import (
     recv_from_prev_stage,
     send_to_next_stage,
 )
-from rayvllm.kernels import cpu_attention
+from rayvllm.kernels import cpu_attention, cpu_gemm
 from rayvllm.kernels.backends import select_attention_backend
 from rayvllm.kernels.host_memory import empty_huge, keep_freed_memory, return_freed_memory
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq, VarlenMetadata
@@ -113,6 +113,13 @@ class ModelRunner:
             and self.dtype == torch.float32
             and cpu_attention.supports(self.model_config.head_dim, self.block_size)
         )
+        # Batch-invariant mode: every token through the decode kernel, every
+        # GEMM through the C kernel (config.deterministic).
+        self.deterministic = config.deterministic
+        if self.deterministic and not (self.use_c_decode and cpu_gemm.available()):
+            raise InvalidParameterError(
+                "deterministic", "needs the CPU's C attention and GEMM kernels, which are not available here"
+            )
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -142,6 +149,7 @@ class ModelRunner:
             self.parallel,
             fused_kv_write=self.attn_backend.fused_cpu_kv_write,
             with_lm_head=self.pooler is None,
+            batch_invariant=self.deterministic,
         )
 
     def reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -393,10 +401,13 @@ class ModelRunner:
         decodes: list[CachedRequestState] = []
         prefills: list[CachedRequestState] = []
         # Drafts attend like decodes (each to the positions up to its own),
-        # so the decode kernel serves them without gathering the context.
+        # so the decode kernel serves them without gathering the context; in
+        # batch-invariant mode every token does, so that a token's attention
+        # is the same sum whichever chunk or batch it comes in.
         verify = so.scheduled_spec_decode_tokens if not self.attn_backend.uses_varlen_metadata else {}
         for req_id, n in so.num_scheduled_tokens.items():
-            (decodes if n == 1 or req_id in verify else prefills).append(requests[req_id])
+            as_decode = n == 1 or req_id in verify or self.deterministic
+            (decodes if as_decode else prefills).append(requests[req_id])
         states = decodes + prefills
         q_lens = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), np.int64, len(states))
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))

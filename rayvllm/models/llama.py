@@ -225,12 +225,14 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
 
-    def optimize_for_cpu(self, use_c_kernels: bool, fused_kv_write: bool = True) -> None:
+    def optimize_for_cpu(self, use_c_kernels: bool, fused_kv_write: bool = True, batch_invariant: bool = False) -> None:
         """After loading, for float32 on the CPU: each weight shape's GEMM
-        plan (timed on this CPU, or cached; kernels/gemm_select.py), and
-        (when they built) the fused C kernels for norms and, if the attention
-        backend allows it (`fused_kv_write`), RoPE + KV write."""
-        gemm_select.plan_modules([m for m in self.modules() if isinstance(m, (Linear, ParallelLMHead))], use_c_kernels)
+        plan (timed on this CPU, or cached; kernels/gemm_select.py; the C
+        kernel alone when `batch_invariant`), and (when they built) the fused
+        C kernels for norms and, if the attention backend allows it
+        (`fused_kv_write`), RoPE + KV write."""
+        gemms = [m for m in self.modules() if isinstance(m, (Linear, ParallelLMHead))]
+        gemm_select.plan_modules(gemms, use_c_kernels, batch_invariant)
         for module in self.modules():
             if use_c_kernels and isinstance(module, RMSNorm):
                 module.use_c_kernel = True

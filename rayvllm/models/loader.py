@@ -88,6 +88,7 @@ def load_model(
     parallel: ParallelContext | None = None,
     fused_kv_write: bool = True,
     with_lm_head: bool = True,
+    batch_invariant: bool = False,
 ) -> LlamaForCausalLM:
     """This rank's part of the model (all of it without `parallel`), from
     the checkpoint in `model_dir` (`build_model` says the rest)."""
@@ -103,6 +104,7 @@ def build_model(
     parallel: ParallelContext | None = None,
     fused_kv_write: bool = True,
     with_lm_head: bool = True,
+    batch_invariant: bool = False,
 ) -> LlamaForCausalLM:
     """This rank's part of the model, its parameters taken from `weights`
     (HF names and full shapes; each rank slices its part).
@@ -112,7 +114,8 @@ def build_model(
     GPU for a moment. `fused_kv_write`: the attention backend lets the
     float32 CPU model store K/V with its fused RoPE kernel. `with_lm_head`:
     False for a pooling runner, which never computes logits (a checkpoint's
-    LM head is then skipped, and may be absent)."""
+    LM head is then skipped, and may be absent). `batch_invariant`: every
+    GEMM on the C kernel (EngineConfig.deterministic)."""
     archs = hf_config.get("architectures") or []
     cls = next((c for c in map(_model_class, archs) if c is not None), None)
     if cls is None:
@@ -125,7 +128,9 @@ def build_model(
         model = cls(hf_config, dtype, parallel, with_lm_head=with_lm_head).to(dtype)
     model.load_weights(weights)
     if device == "cpu" and dtype == torch.float32:
-        model.optimize_for_cpu(use_c_kernels=cpu_ops.available(), fused_kv_write=fused_kv_write)
+        model.optimize_for_cpu(
+            use_c_kernels=cpu_ops.available(), fused_kv_write=fused_kv_write, batch_invariant=batch_invariant
+        )
     elif fused_gpu_kernels_apply(device, dtype):
         model.optimize_for_gpu()
     return model.eval()
