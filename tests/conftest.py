@@ -44,6 +44,16 @@ RAY_LOCAL_INIT: dict[str, object] = dict(
 )
 
 
+def _poll_serve_faster() -> None:
+    """Serve's client (`serve.run`, `serve.delete` in this process) checks
+    an app's state once a second, a fixed constant; a test waits on it a
+    dozen times. Its controller updates that state every 0.1 s, which is
+    how often the client asks here."""
+    from ray.serve._private import client
+
+    client.CLIENT_POLLING_INTERVAL_S = 0.1
+
+
 class SharedRay:
     """The local Ray cluster that the modules using `ray_local` share,
     started on first use. Invariant: while `up`, this process is connected
@@ -63,6 +73,7 @@ class SharedRay:
             return
         assert not ray.is_initialized(), "a test left its own Ray connection open"
         ray.init(**RAY_LOCAL_INIT, namespace=SERVE_NAMESPACE)
+        _poll_serve_faster()
         self.up = True
 
     def start_serve(self) -> None:

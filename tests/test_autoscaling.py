@@ -6,6 +6,7 @@ left behind."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,11 +81,10 @@ DEADLINE_S = 180.0
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-def _wait_for(what: str, condition: Callable[[], bool], during: Callable[[], None] = lambda: None) -> None:
+def _wait_for(what: str, condition: Callable[[], bool]) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        during()
         time.sleep(0.25)  # polling the cluster's state, which changes on its own
 
 
@@ -134,7 +134,22 @@ def test_a_ramp_of_load_scales_up_and_its_end_scales_back(
         served.extend(o.result().outputs[0].text for o in outs)
 
     assert _servers() == 1
-    _wait_for("a second replica under load", lambda: _servers() == 2, during=load)
+    # Load without pause until Serve adds the replica: the policy averages
+    # queued tokens over its look-back window, which gaps between rounds
+    # of load would dilute.
+    stop = threading.Event()
+
+    def keep_loading() -> None:
+        while not stop.is_set():
+            load()
+
+    loader = threading.Thread(target=keep_loading, name="load", daemon=True)
+    loader.start()
+    try:
+        _wait_for("a second replica under load", lambda: _servers() == 2)
+    finally:
+        stop.set()
+        loader.join()
     load()  # both replicas serve
     _wait_for("the idle deployment to scale back to one replica", lambda: _servers() == 1)
     load()
