@@ -1,6 +1,8 @@
 """A CPU rank's torch threads (rayvllm/worker/core_share.py): the node's
 cores shared among the engine ranks stepping on it, every core back to a
-rank busy alone, and a dead rank's file removed; `cpu_threads` fixes them."""
+rank busy alone, and a dead rank's file removed; `cpu_threads` fixes them;
+`cpu_reserved_cores` leaves cores to the serving processes, one by default
+in a Serve replica behind Serve's proxy."""
 
 from __future__ import annotations
 
@@ -74,6 +76,38 @@ def test_a_workers_step_sizes_its_threads_and_cpu_threads_fixes_them(tmp_path: P
         torch.set_num_threads(previous)
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineArgs(model=str(tiny_model_dir), cpu_threads=0).create_engine_config()
+
+
+def test_reserved_cores_are_left_out_of_the_share(tiny_model_dir: Path) -> None:
+    from rayvllm import EngineArgs
+    from rayvllm.worker.core_share import node_cores
+    from rayvllm.worker.worker import Worker
+
+    for reserved, expected in ((None, node_cores()), (1, max(1, node_cores() - 1)), (10_000, 1)):
+        config = EngineArgs(model=str(tiny_model_dir), cpu_reserved_cores=reserved).create_engine_config()
+        worker = Worker(config, rank=0)
+        assert worker.core_share is not None and worker.core_share.cores == expected, reserved
+        worker.core_share.close()
+    with pytest.raises(ValueError, match="cpu_reserved_cores"):
+        EngineArgs(model=str(tiny_model_dir), cpu_reserved_cores=-1).create_engine_config()
+
+
+def test_a_replica_behind_serves_proxy_leaves_a_core_to_it(serve_local: str, tiny_model_dir: Path) -> None:
+    """This test's Serve has no direct ingress: requests reach the replica
+    through Serve's proxy, and its engine's ranks share all cores but one."""
+    from ray import serve
+
+    from rayvllm.entrypoints.openai.api_server import LLMServer
+    from rayvllm.worker.core_share import node_cores
+
+    args = dict(model=str(tiny_model_dir), max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    handle = serve.run(LLMServer.bind(args), name="reserved-core", route_prefix=None)  # type: ignore[attr-defined]
+    try:
+        assert handle.collective_rpc.remote(lambda worker: worker.core_share.cores).result() == [
+            max(1, node_cores() - 1)
+        ]
+    finally:
+        serve.delete("reserved-core")
 
 
 def test_an_in_process_engines_steps_mark_its_rank_busy(tiny_model_dir: Path) -> None:

@@ -304,6 +304,11 @@ class ParallelConfig:
         "torch threads per CPU worker rank; unset: the node's cores shared evenly among the engine ranks "
         "stepping on it (re-read before each step)", None,
     )
+    cpu_reserved_cores: int | None = config_field(
+        "cores of the node that the CPU ranks leave to the processes carrying requests to them (Serve's proxy, "
+        "the replica; vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU); unset: 1 in a Serve replica whose requests come "
+        "through Serve's proxy (no direct ingress), else 0", None,
+    )
     # Past these, fail with names rather than hang.
     placement_group_timeout_s: float = config_field(
         "seconds to wait for a worker group's placement group to be placed", 300.0
@@ -327,6 +332,8 @@ class ParallelConfig:
             )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InvalidParameterError("cpu_threads", f"must be >= 1, got {self.cpu_threads}")
+        if self.cpu_reserved_cores is not None and self.cpu_reserved_cores < 0:
+            raise InvalidParameterError("cpu_reserved_cores", f"must be >= 0, got {self.cpu_reserved_cores}")
         for name in ("num_cpus_per_worker", "placement_group_timeout_s", "distributed_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, f"must be > 0, got {getattr(self, name)}")

@@ -161,6 +161,7 @@ class EngineArgs(
             placement_group_strategy=self.placement_group_strategy,
             num_cpus_per_worker=self.num_cpus_per_worker,
             cpu_threads=self.cpu_threads,
+            cpu_reserved_cores=self.cpu_reserved_cores,
             placement_group_timeout_s=self.placement_group_timeout_s,
             distributed_timeout_s=self.distributed_timeout_s,
             worker_extension_cls=self.worker_extension_cls,

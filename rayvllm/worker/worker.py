@@ -24,7 +24,7 @@ from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.model_runner import ModelRunner
 from rayvllm.models.loader import checkpoint_spec
-from rayvllm.worker.core_share import CoreShare
+from rayvllm.worker.core_share import CoreShare, node_cores
 from rayvllm.worker.extensions import create_model_runner
 from rayvllm.worker.weight_transfer import WeightReceiver
 
@@ -33,8 +33,9 @@ class Worker:
     """Rank `rank` of a group of `tp * pp` ranks (rank = pp_rank * tp + tp_rank).
 
     On the CPU the rank runs `cpu_threads` torch threads where the config
-    fixes them, else an equal share of the cores among the engine ranks
-    busy on its node (core_share.py), re-read before each step."""
+    fixes them, else an equal share of the cores (less `cpu_reserved_cores`)
+    among the engine ranks busy on its node (core_share.py), re-read before
+    each step."""
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         pc = config.parallel_config
@@ -48,7 +49,9 @@ class Worker:
             pp_size=pc.pipeline_parallel_size,
         )
         on_cpu_unfixed = config.device == "cpu" and pc.cpu_threads is None
-        self.core_share = CoreShare() if on_cpu_unfixed else None
+        # The ranks share what the serving processes leave them (at least one core).
+        shared = max(1, node_cores() - (pc.cpu_reserved_cores or 0))
+        self.core_share = CoreShare(cores=shared) if on_cpu_unfixed else None
         self.runner: ModelRunner | None = None
         self.weight_receiver: WeightReceiver | None = None
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 import ray
 from ray import serve
+from ray.serve._private.constants import RAY_SERVE_ENABLE_DIRECT_INGRESS
 
 from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
@@ -102,6 +103,11 @@ class LLMServerImpl:
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
             args.distributed_executor_backend = "ray"
+        if args.cpu_reserved_cores is None and not RAY_SERVE_ENABLE_DIRECT_INGRESS:
+            # Every token then crosses Serve's proxy as well as this replica:
+            # with every core computing, those hops wait for a core each
+            # (docs/BENCHMARKS.md, the proxy path).
+            args.cpu_reserved_cores = 1
         config = args.create_engine_config()
         if max_pending_requests is None:
             max_pending_requests = PENDING_PER_SEQ * config.scheduler_config.max_num_seqs
