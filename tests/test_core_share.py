@@ -31,8 +31,9 @@ def test_busy_ranks_share_the_cores_and_an_idle_or_dead_one_gives_its_share_back
     c = CoreShare(tmp_path, cores=8)
     assert b.threads(now=100.1) == 8 // 2  # a and b stepped within the window
     assert a.threads(now=100.1 + REFRESH_S / 2) == 8  # not re-read yet
-    assert c.threads(now=100.2) == 8 // 3
-    assert a.threads(now=100.2 + REFRESH_S) == 8 // 3
+    assert c.threads(now=100.2) == 2  # 8 among 3: 3, 3 and 2, the remainder to the first two
+    assert a.threads(now=100.2 + REFRESH_S) == 3
+    assert b.threads(now=100.2 + REFRESH_S) == 3
     # b and c stop stepping: a, still busy, gets every core back once the window passes.
     assert a.threads(now=100.2 + BUSY_WINDOW_S + REFRESH_S) == 8
     # A rank whose process died without closing: its file goes, it never counts.

@@ -6,10 +6,11 @@ replica beside a server, an offline `LLM` beside either. Each sizing its
 OpenMP pool to every core oversubscribes the cores, and OpenMP pools that
 share cores stall each other at every barrier (docs/BENCHMARKS.md, the
 two-replica runs). So each rank keeps a file in a node-local directory,
-touched while it steps, and sizes its pool to ``cores // busy ranks``. A
-rank idle for `BUSY_WINDOW_S` stops counting, so an engine busy alone gets
-every core back; the file of a rank whose process died is removed by
-whichever rank notices.
+touched while it steps, and sizes its pool to its share of ``cores`` among
+the busy ranks (the remainder of the division to the first of them, so the
+shares add up to ``cores``). A rank idle for `BUSY_WINDOW_S` stops counting,
+so an engine busy alone gets every core back; the file of a rank whose
+process died is removed by whichever rank notices.
 
 Invariant: a rank counts itself, so `threads()` is between 1 and `cores`.
 """
@@ -82,6 +83,7 @@ class CoreShare:
             _make_shared_directory(self.directory)
             (self.directory / name).touch()
         self._file = self.directory / name
+        self._key = _key(name)
         os.utime(self._file, (0, 0))  # idle until its first step
         self._checked_at = -float("inf")
         self._threads = self.cores
@@ -94,23 +96,35 @@ class CoreShare:
             self._checked_at = now
             self._file.touch()  # again, should someone have removed it
             os.utime(self._file, (now, now))
-            self._threads = max(1, self.cores // max(1, self._busy(now)))
+            busy = self._busy(now)
+            base, extra = divmod(self.cores, max(1, len(busy)))
+            # The cores that do not divide evenly go to the first ranks in
+            # an order every rank computes alike.
+            position = busy.index(self._key) if self._key in busy else len(busy)
+            self._threads = max(1, base + (position < extra))
         return self._threads
 
     def close(self) -> None:
         self._file.unlink(missing_ok=True)
 
-    def _busy(self, now: float) -> int:
-        busy = 0
+    def _busy(self, now: float) -> list[tuple[int, int]]:
+        """The busy ranks' keys (pid, index in their process), in order."""
+        busy = []
         for entry in os.scandir(self.directory):
             try:
-                pid = int(entry.name.split(".", 1)[0])
+                key = _key(entry.name)
                 touched = entry.stat().st_mtime
             except (ValueError, FileNotFoundError):
                 continue  # not ours, or gone meanwhile
-            if not _alive(pid):
+            if not _alive(key[0]):
                 with contextlib.suppress(OSError):  # another user's, in the sticky directory
                     Path(entry.path).unlink()
             elif now - touched < BUSY_WINDOW_S:
-                busy += 1
-        return busy
+                busy.append(key)
+        return sorted(busy)
+
+
+def _key(name: str) -> tuple[int, int]:
+    """A rank file's name, `pid.index`, as numbers (ValueError if it is not one)."""
+    pid, index = name.split(".", 1)
+    return int(pid), int(index)
