@@ -10,7 +10,10 @@ The result is an ordinary HF model directory.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,15 +165,35 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
 
 
 def build_random_model(path: str | Path, spec: RandomModelSpec) -> Path:
-    """Create (or reuse, if complete) a model directory for `spec` at `path`."""
-    import torch
-    import transformers
+    """Create (or reuse, if complete) a model directory for `spec` at `path`.
 
+    Built aside and moved in: a process that reads the model while another
+    builds the same one (the GPU proof's steps start side by side) finds it
+    complete or not at all, never a config.json half written."""
     path = Path(path)
     marker = path / ".rayvllm-complete"
     if marker.exists():
         return path
-    path.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        _write_random_model(staging, spec)
+        (staging / marker.name).write_text(json.dumps(spec.__dict__, default=str))
+        try:
+            staging.rename(path)  # whole, where `path` is missing or empty
+        except OSError:
+            if not marker.exists():  # `path` holds other files: each of ours replaces its own, the marker last
+                for item in sorted(staging.iterdir(), key=lambda p: p.name == marker.name):
+                    os.replace(item, path / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def _write_random_model(path: Path, spec: RandomModelSpec) -> None:
+    import torch
+    import transformers
+
     build_tokenizer(path, spec.vocab_size, seed=spec.seed)
     config = _hf_config(spec)
     torch.manual_seed(spec.seed)
@@ -179,5 +202,3 @@ def build_random_model(path: str | Path, spec: RandomModelSpec) -> Path:
     if spec.max_shard_size is not None:
         kwargs["max_shard_size"] = spec.max_shard_size
     model.save_pretrained(str(path), **kwargs)
-    marker.write_text(json.dumps(spec.__dict__, default=str))
-    return path
