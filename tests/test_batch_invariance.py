@@ -7,6 +7,7 @@ tokens still match transformers. What the mode cannot cover is refused."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, lo
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=NUM_NEW, ignore_eos=True, logprobs=3)
 KINDS = {"greedy": GREEDY, "seeded": SEEDED}
 
-Result = tuple[list[int], list[Any], list[Any]]
-_CACHED: dict[str, int] = {}
+
+@dataclass
+class Result:
+    """The target request's outputs; equal results have the same bits."""
+
+    tokens: list[int]
+    logprobs: list[Any]
+    prompt_logprobs: list[Any]
+    cached_tokens: int = field(compare=False)
 
 
 def _lp(rows: Any) -> list[Any]:
@@ -34,12 +42,12 @@ def _lp(rows: Any) -> list[Any]:
     return [None if r is None else sorted((t, lp.logprob) for t, lp in r.items()) for r in rows or []]
 
 
-def _run(llm: LLM, params: SamplingParams, others: list[list[int]], name: str) -> Result:
+def _run(llm: LLM, params: SamplingParams, others: list[list[int]]) -> Result:
     """The target's result when it runs first in a batch with `others`."""
     prompts = [{"prompt_token_ids": p} for p in [TARGET, *others]]
     out = llm.generate(prompts, [params] + [GREEDY] * len(others), use_tqdm=False)[0]
-    _CACHED[name] = out.num_cached_tokens or 0
-    return out.outputs[0].token_ids, _lp(out.outputs[0].logprobs), _lp(out.prompt_logprobs)
+    completion = out.outputs[0]
+    return Result(completion.token_ids, _lp(completion.logprobs), _lp(out.prompt_logprobs), out.num_cached_tokens or 0)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +59,8 @@ def runs(tiny_model_dir: Path) -> dict[str, dict[str, Result]]:
     try:
         assert all(m.gemm.plan == gemm_select.BATCH_INVARIANT_PLAN for m in _gemm_modules(llm))
         for name, others in (("alone", []), ("beside 12 others", OTHERS), ("prefix cached", OTHERS[:3])):
-            results[name] = {kind: _run(llm, params, others, name) for kind, params in KINDS.items()}
-        assert _CACHED["prefix cached"] > 0
+            results[name] = {kind: _run(llm, params, others) for kind, params in KINDS.items()}
+        assert results["prefix cached"]["seeded"].cached_tokens > 0  # (prompt logprobs recompute the prompt)
     finally:
         llm.shutdown()
     # 16-token chunks and too few blocks for everything: prompts are split
@@ -60,8 +68,7 @@ def runs(tiny_model_dir: Path) -> dict[str, dict[str, Result]]:
     llm = LLM(str(tiny_model_dir), **base, max_num_batched_tokens=16, num_gpu_blocks_override=18,
               enable_prefix_caching=False)
     try:
-        name = "chunked and preempted"
-        results[name] = {kind: _run(llm, params, OTHERS, name) for kind, params in KINDS.items()}
+        results["chunked and preempted"] = {kind: _run(llm, params, OTHERS) for kind, params in KINDS.items()}
         assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
     finally:
         llm.shutdown()
@@ -78,12 +85,11 @@ def _gemm_modules(llm: LLM) -> list[Any]:
 def test_a_request_is_bitwise_the_same_however_it_is_batched(
     runs: dict[str, dict[str, Result]], name: str, kind: str
 ) -> None:
-    tokens, logprobs, prompt_logprobs = runs[name][kind]
-    alone = runs["alone"][kind]
-    assert tokens == alone[0]
-    assert logprobs == alone[1]  # exact floats, not a tolerance
-    assert prompt_logprobs == alone[2]
-    assert len(logprobs) == NUM_NEW and (kind == "seeded" or len(prompt_logprobs) == len(TARGET))
+    got, alone = runs[name][kind], runs["alone"][kind]
+    assert got.tokens == alone.tokens
+    assert got.logprobs == alone.logprobs  # exact floats, not a tolerance
+    assert got.prompt_logprobs == alone.prompt_logprobs
+    assert len(got.logprobs) == NUM_NEW and (kind == "seeded" or len(got.prompt_logprobs) == len(TARGET))
 
 
 def test_two_tensor_parallel_ranks_on_ray(ray_local: None, tiny_model_dir: Path) -> None:
@@ -91,14 +97,14 @@ def test_two_tensor_parallel_ranks_on_ray(ray_local: None, tiny_model_dir: Path)
     bits in either order; alone and beside others, the same result."""
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, deterministic=True, tensor_parallel_size=2)
     try:
-        alone, beside = [_run(llm, SEEDED, others, "tp2") for others in ([], OTHERS)]
+        alone, beside = [_run(llm, SEEDED, others) for others in ([], OTHERS)]
     finally:
         llm.shutdown()
-    assert beside == alone and len(alone[0]) == NUM_NEW
+    assert beside == alone and len(alone.tokens) == NUM_NEW
 
 
 def test_greedy_tokens_still_match_transformers(runs: dict[str, dict[str, Result]], tiny_model_dir: Path) -> None:
-    assert runs["alone"]["greedy"][0] == hf_greedy(tiny_model_dir, TARGET)[0]
+    assert runs["alone"]["greedy"].tokens == hf_greedy(tiny_model_dir, TARGET)[0]
 
 
 def test_the_c_gemm_gives_each_row_the_same_bits_whatever_rows_are_beside_it() -> None:

@@ -48,10 +48,10 @@ class Worker:
             pp_rank=rank // pc.tensor_parallel_size,
             pp_size=pc.pipeline_parallel_size,
         )
-        on_cpu_unfixed = config.device == "cpu" and pc.cpu_threads is None
-        # The ranks share what the serving processes leave them (at least one core).
-        shared = max(1, node_cores() - (pc.cpu_reserved_cores or 0))
-        self.core_share = CoreShare(cores=shared) if on_cpu_unfixed else None
+        self.core_share: CoreShare | None = None
+        if config.device == "cpu" and pc.cpu_threads is None:
+            # The ranks share what the serving processes leave them (at least one core).
+            self.core_share = CoreShare(cores=max(1, node_cores() - (pc.cpu_reserved_cores or 0)))
         self.runner: ModelRunner | None = None
         self.weight_receiver: WeightReceiver | None = None
 
