@@ -550,9 +550,11 @@ class AsyncLLM:
 
     # ---- health and lifecycle -----------------------------------------------------
 
-    async def check_health(self) -> None:
+    async def check_health(self, allow_restarting: bool = False) -> None:
         """Raise `EngineDeadError` unless the loop is alive and not stalled
-        in a step, and every worker answers."""
+        in a step, and every worker answers. `allow_restarting`: a core being
+        replaced after a failure passes (the restart policy ends the engine
+        if the replacement fails for good)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead_error!r}")
         if self._closed:
@@ -561,6 +563,8 @@ class AsyncLLM:
             raise EngineDeadError("the engine loop exited")
         if self.restarts.restarting_since is not None:
             # Its requests wait for the new core (which may wait for resources).
+            if allow_restarting:
+                return
             raise EngineDeadError("the engine is restarting after a failure")
         started = self._step_started
         if started is not None and time.monotonic() - started > self.step_timeout_s:
@@ -572,7 +576,7 @@ class AsyncLLM:
             await asyncio.to_thread(self.engine_core.check_health)
         except Exception as e:  # noqa: BLE001 - a dead actor surfaces as many Ray error types
             if self.restarts.total != core_generation:
-                return await self.check_health()
+                return await self.check_health(allow_restarting)
             failure = e if isinstance(e, EngineDeadError) else EngineDeadError(f"a worker failed its health check: {e!r}")
             if self._step_started is None:
                 self._core_failed(failure)  # idle: nothing else would notice

@@ -421,8 +421,12 @@ class LLMServerImpl:
 
     async def check_health(self) -> None:
         """Serve's replica health hook: a failing engine gets the replica
-        restarted."""
-        await self.engine.check_health()
+        restarted. An engine replacing a failed core is not failing: its
+        requests wait for the new core, and a new replica would lose them
+        (a restart that takes longer than Serve's few missed checks, as a
+        large model's load or a busy machine's does, would otherwise end the
+        replica it was saving)."""
+        await self.engine.check_health(allow_restarting=True)
 
     def __del__(self) -> None:
         serving = getattr(self, "serving", None)

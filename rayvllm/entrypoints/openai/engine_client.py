@@ -120,8 +120,9 @@ class EngineClient(Protocol):
 
     # ---- health and metrics -----------------------------------------------------------
 
-    async def check_health(self) -> None:
-        """Raise `EngineDeadError` unless the engine can serve."""
+    async def check_health(self, allow_restarting: bool = False) -> None:
+        """Raise `EngineDeadError` unless the engine can serve; with
+        `allow_restarting`, an engine replacing a failed core passes."""
         ...
 
     async def render_metrics(self) -> tuple[bytes, str]:
