@@ -139,7 +139,10 @@ pytest_step() {
     shift 3
     if [ "$HAVE_PYTEST" != 1 ]; then skip "$name" "pytest is not installed"; return; fi
     local log=$RAW/logs/$name.log
-    run_limited "$name" "$limit" "$log" "$PY" -m pytest -q -rfEs -p no:cacheprovider "$file" "$@" || return
+    # The project's addopts (two xdist workers for the suite) stay out: the
+    # GPU machine may lack xdist, and a step picks its own -n.
+    run_limited "$name" "$limit" "$log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -o addopts= "$file" "$@" \
+        || return
     # pytest's last line: "3 passed, 2 skipped in 4.1s" (or "no tests ran").
     local counts status
     counts=$(grep -E '[0-9]+ (passed|failed|skipped|error|errors|deselected)|no tests ran' "$log" | tail -n 1 \

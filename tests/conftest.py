@@ -13,10 +13,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-import torch
+
+# Two xdist workers share the cores (pyproject.toml's addopts): an OpenMP
+# thread that spins for work when idle takes its core from the other
+# worker's processes. libgomp reads this as torch loads it; Ray's
+# processes and the servers tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Counts the Ray clusters and Serve apps a session starts (printed with the summary).
-pytest_plugins = ["session_counts"]
+pytest_plugins = ["session_counts", "xdist_groups"]
 
 if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter. `@triton.jit`
@@ -25,6 +32,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from serve_harness import SharedServe, app_name  # noqa: E402  (after TRITON_INTERPRET: it imports rayvllm)
+from item_scopes import module_of, uses_shared  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -111,16 +119,6 @@ _USERS = pytest.StashKey[dict[str, set[str]]]()
 _SERVE_APPS = pytest.StashKey[dict[str, pytest.Module]]()
 
 
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
-def _uses(item: pytest.Item, fixture: str) -> bool:
-    """`item` asks for `fixture` as defined below (a module may define its own of that name)."""
-    defs = item._fixtureinfo.name2fixturedefs.get(fixture, ())  # type: ignore[attr-defined]
-    return bool(defs) and defs[-1].func.__module__ == __name__
-
-
 _SHARED = {"ray_local": _SHARED_RAY, "serve_apps": _SHARED_SERVE}
 
 
@@ -130,12 +128,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     use the shared server, each group one module after another, so each
     starts once; the rest keep their order after them. Whole modules move,
     so module-scoped fixtures still set up once."""
-    users = {name: {_module(item) for item in items if _uses(item, name)} for name in _SHARED}
-    items.sort(key=lambda item: [_module(item) not in users[name] for name in _SHARED])
+    users = {name: {module_of(item) for item in items if uses_shared(item, name)} for name in _SHARED}
+    items.sort(key=lambda item: [module_of(item) not in users[name] for name in _SHARED])
     config.stash[_USERS] = users
     config.stash[_SERVE_APPS] = {
         app_name(str(item.path)): item.module for item in items
-        if _uses(item, "serve_apps") and isinstance(item, pytest.Function)
+        if uses_shared(item, "serve_apps") and isinstance(item, pytest.Function)
     }
 
 
@@ -145,7 +143,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     fixtures torn down), stop it: the tests after it start their own."""
     yield
     for name, shared in _SHARED.items():
-        if nextitem is None or _module(nextitem) not in item.config.stash[_USERS][name]:
+        if nextitem is None or module_of(nextitem) not in item.config.stash[_USERS][name]:
             shared.close()
 
 

@@ -1,9 +1,10 @@
 """A pytest plugin (loaded by conftest) that counts the expensive things a
 test session starts, and prints them with the summary: the Ray clusters
-(begun in this process, by `ray.init` or a `ray.cluster_utils.Cluster`
+(begun in a pytest process, by `ray.init` or a `ray.cluster_utils.Cluster`
 head, or by a server subprocess: `serve run`, `rayvllm serve`, `ray up`)
 and the Serve applications (`serve.run` here, or the apps a server
-subprocess deploys). The suite's wall time is mostly these starts."""
+subprocess deploys). The suite's wall time is mostly these starts. Under
+pytest-xdist each worker counts its own and the controller prints the sum."""
 
 from __future__ import annotations
 
@@ -57,11 +58,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     def counting_node(self: Any, ray_params: Any, head: bool = False, *args: Any, **kwargs: Any) -> None:
         if head and not kwargs.get("connect_only", False):
-            _COUNTS["ray clusters (this process)"] += 1
+            _COUNTS["ray clusters (pytest processes)"] += 1
         start_node(self, ray_params, head, *args, **kwargs)
 
     def counting_run(*args: Any, **kwargs: Any) -> Any:
-        _COUNTS["serve apps (this process)"] += 1
+        _COUNTS["serve apps (pytest processes)"] += 1
         return run_app(*args, **kwargs)
 
     def counting_popen(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
@@ -71,6 +72,17 @@ def pytest_configure(config: pytest.Config) -> None:
     node.Node.__init__ = counting_node  # type: ignore[method-assign]
     serve.run = counting_run
     subprocess.Popen.__init__ = counting_popen  # type: ignore[method-assign]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller prints the sum
+        workeroutput["session_counts"] = dict(_COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist has no such hook
+def pytest_testnodedown(node: Any, error: object) -> None:
+    _COUNTS.update(getattr(node, "workeroutput", {}).get("session_counts", {}))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
