@@ -72,7 +72,7 @@ def _single_process(model_dir: Path) -> list[list[int]]:
         ("llama-gqa", dict(tensor_parallel_size=2)),
         ("llama-gqa", dict(pipeline_parallel_size=2)),
         ("llama-gqa", dict(data_parallel_size=2)),
-        ("llama-gqa", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+        # TP=2 x PP=2 on llama-gqa: test_shutdown_leaves_nothing_behind.
         ("qwen3-gqa-tied", dict(tensor_parallel_size=2)),
         ("qwen3-gqa-tied", dict(pipeline_parallel_size=2)),
         ("qwen3-gqa-tied", dict(data_parallel_size=2)),
@@ -94,20 +94,6 @@ def test_parallel_greedy_parity(ray_local: None, models: dict[str, Path], name: 
     assert got == _single_process(model_dir)
     for prompt, tokens in zip(prompts, got):
         assert tokens == hf_greedy(model_dir, prompt)[0]
-
-
-def test_ray_backend_with_one_worker(ray_local: None, models: dict[str, Path]) -> None:
-    """`distributed_executor_backend="ray"` puts even a single rank on the Ray path."""
-    model_dir = models["llama-gqa"]
-    llm = LLM(str(model_dir), distributed_executor_backend="ray", **ENGINE)
-    try:
-        from rayvllm.actors.ray_core_client import RayEngineCoreClient
-
-        assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
-        assert llm.llm_engine.config.scheduler_config.async_scheduling  # the default there
-        assert _greedy(llm, _prompts()) == _single_process(model_dir)
-    finally:
-        llm.shutdown()
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
@@ -181,14 +167,29 @@ def _alive_rayvllm_actors() -> dict[str, str]:
 def test_shutdown_leaves_nothing_behind(
     ray_local: None, models: dict[str, Path], parallel: dict[str, object], actors: list[str], group: str
 ) -> None:
+    """The engine's actors and placement group, and none after shutdown.
+    Each engine also answers greedy parity (the parity test leaves these
+    two shapes here rather than start them twice): `distributed_executor_backend="ray"`
+    puts even a single rank on the Ray path, with async scheduling, its default there."""
+    from rayvllm.actors.ray_core_client import RayEngineCoreClient
+
+    model_dir = models["llama-gqa"]
     # The cluster is shared: what other tests left dying is not this engine's.
     actors_before, groups_before = _alive_rayvllm_actors(), _live_groups()
-    llm = LLM(str(models["llama-gqa"]), **parallel, **ENGINE)
+    llm = LLM(str(model_dir), **parallel, **ENGINE)
     ours = {k: v for k, v in _alive_rayvllm_actors().items() if k not in actors_before}
     assert sorted(ours.values()) == actors
     pgs = {k: v for k, v in _live_groups().items() if k not in groups_before}
     assert len(pgs) == 1 and next(iter(pgs.values())).startswith(group)
-    llm.shutdown()
+    try:
+        assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
+        if len(actors) == 1:
+            assert llm.llm_engine.config.scheduler_config.async_scheduling
+        got = _greedy(llm, _prompts())
+        assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert got == _single_process(model_dir)
     # The actors (and with their processes, the gloo process groups) are
     # gone; a killed actor's state turns DEAD asynchronously, so poll.
     for _ in range(300):
