@@ -45,7 +45,7 @@ def groups_of(items: list[pytest.Item]) -> dict[str, str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getvalue("dist") == "loadgroup" and not hasattr(config, "workerinput"):
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
         fd, path = tempfile.mkstemp(prefix="rayvllm-test-groups-", suffix=".json")
         os.close(fd)
         os.unlink(path)  # written by the first worker to collect
@@ -60,7 +60,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)  # pytest without xdist has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """xdist's scope scheduling with a module's group as its scope."""
-    if config.getvalue("dist") != "loadgroup":
+    if config.getoption("dist", "no") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
