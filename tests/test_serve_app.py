@@ -260,9 +260,11 @@ def _wait_for_idle_engine(deadline_s: float = 60.0) -> dict[str, float]:
 
 
 def test_disconnect_aborts_and_frees_blocks(server: ServeProcess) -> None:
+    """2,000 tokens (seconds of decoding): the stream cannot end on its own
+    before the server sees the client go (200 once did, on a busy machine)."""
     before = _metrics()
     with requests.Session() as session:
-        r, _ = _stream_until_first_token(session, max_tokens=200)
+        r, _ = _stream_until_first_token(session, max_tokens=2000)
         r.close()  # the client goes away mid-stream
     after = _wait_for_idle_engine()
     key = "rayvllm:request_success_total{finished_reason=abort}"
