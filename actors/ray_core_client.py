@@ -26,6 +26,7 @@ from rayvllm.actors.placement import (
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
 from rayvllm.distributed.rpc_channel import connect
+from rayvllm.distributed.weight_transfer import HostWeights
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.local_pipe import CoreConnection, SocketConnection
 from rayvllm.messages.errors import EngineDeadError, PlacementError
@@ -145,7 +146,9 @@ class RayEngineCoreClient(EngineCoreClient):
         return get_unwrapped(actor.call_utility.remote(method, args, kwargs))
 
     def share_weights(self, weights: Any) -> Any:
-        return ray.put(weights) if isinstance(weights, Mapping) else weights
+        if isinstance(weights, Mapping):
+            weights = HostWeights.of(weights)
+        return ray.put(weights) if isinstance(weights, HostWeights) else weights
 
     def transfer_address(self) -> str:
         return ray.util.get_node_ip_address()

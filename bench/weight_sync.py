@@ -14,7 +14,10 @@ The trainer is this process, holding the model's Hugging Face state dict
   each layout a CPU float32 layer's GEMM plan keeps);
 - disk: save the dict as safetensors and have every worker load its model
   from that file (`collective_rpc`), what a sync through disk costs;
-- ray: `ray.put` once, then `sync_weights(ref, backend="ray")`;
+- ray: the dict given to `sync_weights(dict, backend="ray")` (the client
+  puts it once, as `HostWeights`); `ray.put(HostWeights.of(dict))` by the
+  trainer, then `sync_weights(ref)`; and a plain `ray.put(dict)` of the
+  torch tensors, then `sync_weights(ref)` (Ray pickles each tensor);
 - gloo: `sync_weights(dict, backend="gloo")` (a broadcast from this process).
 
 `--engine ray` runs the worker in its own process on Ray (the scheduler
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from rayvllm import LLM, SamplingParams
+    from rayvllm import LLM, HostWeights, SamplingParams
 
     # A cluster of this run's own (not one `address="auto"` would find), up
     # before any timing.
@@ -106,7 +109,16 @@ def main(argv: list[str] | None = None) -> None:
         rows["disk (save + reload)"] = _timed(through_disk, args.repeats)
     for backend in args.backends.split(","):
         if backend == "ray":
-            rows["ray (put + sync)"] = _timed(lambda: llm.sync_weights(ray.put(weights), backend="ray"), args.repeats)
+            if args.engine == "ray":  # in process, this is the load only
+                rows["ray (dict; the client puts)"] = _timed(
+                    lambda: llm.sync_weights(weights, backend="ray"), args.repeats
+                )
+            rows["ray (put HostWeights + sync)"] = _timed(
+                lambda: llm.sync_weights(ray.put(HostWeights.of(weights)), backend="ray"), args.repeats
+            )
+            rows["ray (put state dict + sync)"] = _timed(
+                lambda: llm.sync_weights(ray.put(weights), backend="ray"), args.repeats
+            )
         else:
             rows[backend] = _timed(lambda: llm.sync_weights(weights, backend=backend), args.repeats)
     after = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids

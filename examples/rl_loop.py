@@ -31,7 +31,7 @@ from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.messages.outputs import RequestOutputKind
-from rayvllm.distributed.weight_transfer import TransferGroup, WeightUpdateInfo
+from rayvllm.distributed.weight_transfer import HostWeights, TransferGroup, WeightUpdateInfo
 from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 from rayvllm.worker.worker import free_port
 
@@ -68,9 +68,10 @@ class Trainer:
         return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
 
     def put_weights(self) -> list[Any]:
-        """The weights in the object store, put once (in a list: the caller
-        gets the ref, not the value)."""
-        return [ray.put(self.weights())]
+        """The weights in the object store, put once as numpy arrays that
+        each worker maps without a copy (in a list: the caller gets the
+        ref, not the value)."""
+        return [ray.put(HostWeights.of(self.model.state_dict()))]
 
     def update_info(self) -> WeightUpdateInfo:
         return WeightUpdateInfo.of(self.weights())

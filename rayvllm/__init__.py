@@ -6,7 +6,7 @@ from rayvllm.messages.sampling_params import SamplingParams, StructuredOutputsPa
 
 __all__ = [
     "SamplingParams", "StructuredOutputsParams", "PoolingParams", "LLM", "RequestOutput", "CompletionOutput",
-    "EmbeddingRequestOutput", "PoolingRequestOutput", "EngineArgs", "LoRARequest",
+    "EmbeddingRequestOutput", "PoolingRequestOutput", "EngineArgs", "LoRARequest", "HostWeights",
 ]
 
 
@@ -21,6 +21,10 @@ def __getattr__(name: str):
         from rayvllm.messages import outputs
 
         return getattr(outputs, name)
+    if name == "HostWeights":
+        from rayvllm.distributed.weight_transfer import HostWeights
+
+        return HostWeights
     if name == "EngineArgs":
         from rayvllm.config.engine_args import EngineArgs
 

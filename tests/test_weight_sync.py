@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from rayvllm import LLM, SamplingParams
+from rayvllm import LLM, HostWeights, SamplingParams
 from rayvllm.messages.errors import InvalidParameterError
 from rl_oracle import save_weights, trained_weights
 
@@ -78,10 +78,49 @@ def test_collective_rpc_reaches_every_worker(local_llm: LLM, ray_llm: LLM, tiny_
     assert local_llm.reset_prefix_cache() is True
 
 
-@pytest.mark.parametrize("backend", ["ray", "gloo"])
+# How the trainer hands the weights over: a ref to its own put (of a plain
+# state dict, or of its HostWeights), or the dict itself.
+SHARES = {
+    "ray": lambda weights: ray.put(weights),
+    "ray-host-weights": lambda weights: ray.put(HostWeights.of(weights)),
+    "ray-dict": lambda weights: weights,
+    "gloo": lambda weights: weights,
+}
+
+
+def test_host_weights_round_trip_through_the_object_store_without_a_copy(ray_local: None) -> None:
+    """Every dtype comes back bit for bit (bfloat16 and float8 carried as
+    integers of their width); a fetched tensor is a view of the object
+    store's memory, not a copy; a tensor that is not contiguous or needs
+    grad goes too."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=generator)
+    weights = {
+        "f32": base, "bf16": base.to(torch.bfloat16), "f16": base.to(torch.float16),
+        "f8": base.to(torch.float8_e4m3fn), "i64": torch.arange(5), "strided": base.t(),
+        "grad": base.clone().requires_grad_(),
+    }
+
+    @ray.remote
+    def fetch(refs: list[ray.ObjectRef]) -> tuple[HostWeights, bool]:
+        host = ray.get(refs[0])
+        tensors = host.tensors()
+        mapped = all(t.data_ptr() == host.arrays[name].ctypes.data for name, t in tensors.items())
+        # Back the same way (Ray's own pickling of a float8 tensor fails).
+        return HostWeights.of({name: t.clone() for name, t in tensors.items()}), mapped
+
+    back, mapped = ray.get(fetch.remote([ray.put(HostWeights.of(weights))]))
+    assert mapped
+    got = back.tensors()
+    for name, tensor in weights.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+        assert torch.equal(got[name].view(torch.uint8), tensor.detach().contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("how", list(SHARES))
 @pytest.mark.parametrize("engine", ["local", "ray"])
 def test_sync_weights_gives_a_fresh_engines_tokens(
-    backend: str, engine: str, local_llm: LLM, ray_llm: LLM, trained: dict[str, torch.Tensor],
+    how: str, engine: str, local_llm: LLM, ray_llm: LLM, trained: dict[str, torch.Tensor],
     tiny_model_dir: Path, expected: dict[str, list[list[int]]],
 ) -> None:
     llm = local_llm if engine == "local" else ray_llm
@@ -97,7 +136,7 @@ def test_sync_weights_gives_a_fresh_engines_tokens(
 
     before = llm.collective_rpc(storage)
     # The trainer puts once; every worker fetches the ref itself.
-    llm.sync_weights(ray.put(trained) if backend == "ray" else trained, backend=backend)
+    llm.sync_weights(SHARES[how](trained), backend=how.split("-")[0])
     assert greedy(llm) == expected["trained"]
     # Loaded in place: the same model, every tensor where it was.
     assert llm.collective_rpc(storage) == before

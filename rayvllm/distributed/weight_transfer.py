@@ -17,10 +17,12 @@ any parameter: worker/weight_transfer.py).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,50 @@ def dtype_of(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise InvalidParameterError("dtype_names", f"{name!r} is not a torch dtype")
     return dtype
+
+
+# Dtypes numpy lacks, carried as integers of the same width.
+_BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+@dataclass(frozen=True)
+class HostWeights:
+    """A state dict as the `ray` backend puts it in the object store:
+    numpy arrays, which Ray's serializer writes out of band (one copy on
+    `ray.put`) and a fetch maps without copying, where a dict of torch
+    tensors is pickled tensor by tensor on put and copied again on get
+    (docs/BENCHMARKS.md). `bit_views`: names whose dtype numpy lacks
+    (bfloat16, float8), held as integers of the same width.
+
+    A trainer that puts its own weights puts `HostWeights.of(state_dict)`;
+    `sync_weights` given a dict does so itself."""
+
+    arrays: dict[str, np.ndarray]
+    bit_views: dict[str, str]
+
+    @staticmethod
+    def of(weights: Mapping[str, torch.Tensor]) -> "HostWeights":
+        arrays: dict[str, np.ndarray] = {}
+        bit_views: dict[str, str] = {}
+        for name, tensor in weights.items():
+            tensor = tensor.detach().cpu().contiguous()
+            if tensor.dtype in _BIT_VIEWS:
+                bit_views[name] = dtype_name(tensor.dtype)
+                tensor = tensor.view(_BIT_VIEWS[tensor.dtype])
+            arrays[name] = tensor.numpy()
+        return HostWeights(arrays, bit_views)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The weights as tensors over the arrays' memory (no copy). A fetched
+        object's arrays are read-only: the loader only reads them."""
+        out: dict[str, torch.Tensor] = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for name, array in self.arrays.items():
+                tensor = torch.from_numpy(array)
+                view = self.bit_views.get(name)
+                out[name] = tensor if view is None else tensor.view(dtype_of(view))
+        return out
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,10 @@ class EngineCoreClient(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no control plane")
 
     def share_weights(self, weights: Any) -> Any:
-        """Weights (a dict of tensors, or a Ray object ref to one) as the
-        core's workers can fetch them: as they are for a core in this
-        process; a dict put in the object store once for a core on Ray."""
+        """Weights (a dict of tensors, its `HostWeights`, or a Ray object ref
+        to either) as the core's workers can fetch them: as they are for a
+        core in this process; put in the object store once, as
+        `HostWeights`, for a core on Ray."""
         raise NotImplementedError(f"{type(self).__name__} has no control plane")
 
     def transfer_address(self) -> str:

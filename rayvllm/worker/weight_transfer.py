@@ -23,6 +23,7 @@ import torch
 
 from rayvllm.distributed.weight_transfer import (
     DEFAULT_TRANSFER_TIMEOUT_S,
+    HostWeights,
     TransferGroup,
     WeightUpdateInfo,
     check_transfer_backend,
@@ -72,16 +73,16 @@ class WeightReceiver:
         self.staged = {}
 
     def update(self, info: WeightUpdateInfo | None = None, weights: Any = None) -> None:
-        """Stage one chunk: `weights` (a dict of HF name -> tensor, or a Ray
-        object ref to one) under `ray`, else the tensors `info` announces,
-        received from the group."""
+        """Stage one chunk: `weights` (a dict of HF name -> tensor, its
+        `HostWeights`, or a Ray object ref to either) under `ray`, else the
+        tensors `info` announces, received from the group."""
         staged = self.staged
         if staged is None:
             raise InvalidParameterError("update_weights", "call start_weight_update first")
         if self.backend == "ray":
             if weights is None:
                 raise InvalidParameterError("weights", "the ray backend takes the weights (a dict or an object ref)")
-            chunk = weights if isinstance(weights, Mapping) else _fetch(weights)
+            chunk = _tensors(weights if isinstance(weights, (Mapping, HostWeights)) else _fetch(weights))
         else:
             if info is None:
                 raise InvalidParameterError("update_info", f"the {self.backend} backend takes names, dtype_names, shapes")
@@ -131,12 +132,16 @@ class WeightReceiver:
         self.staged = None
 
 
-def _fetch(ref: Any) -> Mapping[str, torch.Tensor]:
+def _fetch(ref: Any) -> Any:
     """This worker's own fetch of the weights a trainer put once (imported
     here: only the ray backend loads Ray)."""
     import ray
 
     weights = ray.get(ref)
-    if not isinstance(weights, Mapping):
+    if not isinstance(weights, (Mapping, HostWeights)):
         raise InvalidParameterError("weights", f"the object ref holds a {type(weights).__name__}, not a dict")
     return weights
+
+
+def _tensors(weights: Mapping[str, torch.Tensor] | HostWeights) -> Mapping[str, torch.Tensor]:
+    return weights.tensors() if isinstance(weights, HostWeights) else weights
