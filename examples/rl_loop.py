@@ -33,7 +33,7 @@ from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.messages.outputs import RequestOutputKind
 from rayvllm.distributed.weight_transfer import HostWeights, TransferGroup, WeightUpdateInfo
 from rayvllm.utils.random_model import RandomModelSpec, build_random_model
-from rayvllm.worker.worker import free_port
+from rayvllm.utils.network import free_port
 
 PROMPTS = [[5 + i, 40 + 3 * i, 90 + i] for i in range(8)]
 PROBE = [7, 300, 1200, 55, 2048, 9, 77, 1500]  # the fixed sequence whose logprobs are compared
