@@ -28,7 +28,7 @@ def _library(isa: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64]
+    lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.gemm_packed_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.gemm_tile_cols.restype = i64
     lib.tile = int(lib.gemm_tile_cols())
@@ -70,7 +70,7 @@ def pack_weight(weight: torch.Tensor, isa: str | None = None, out: torch.Tensor 
     if out is not None and (tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != torch.float32):
         raise ValueError(f"out must be a contiguous float32 tensor of shape {shape}, got {tuple(out.shape)}")
     packed = empty_huge(shape) if out is None else out
-    lib.pack_weight_f32(weight.data_ptr(), packed.data_ptr(), n, k)
+    lib.pack_weight_f32(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
     return packed
 
 

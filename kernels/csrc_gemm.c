@@ -59,14 +59,34 @@ typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
 
 int64_t gemm_tile_cols(void) { return TILE; }
 
-void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k) {
-    int64_t tiles = (n + TILE - 1) / TILE;
-    memset(packed, 0, (size_t)(tiles * TILE * k) * sizeof(float));
-    for (int64_t col = 0; col < n; col++) {
-        float *dst = packed + (col / TILE) * TILE * k + col % TILE;
-        const float *src = w + col * k;
-        for (int64_t i = 0; i < k; i++) dst[i * TILE] = src[i];
+/* Tile by tile, each written in order (its TILE source rows read side by
+ * side), threads splitting the tiles: a weight update repacks every layer
+ * (writing column by column after a memset of the whole packing was the
+ * largest part of a reload; docs/BENCHMARKS.md). Only the last tile's
+ * padding columns are zeroed. */
+static void pack_tiles(const float *w, float *packed, int64_t n, int64_t k, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+        float *dst = packed + t * TILE * k;
+        int64_t cols = n - t * TILE < TILE ? n - t * TILE : TILE;
+        const float *src = w + t * TILE * k;
+        for (int64_t i = 0; i < k; i++) {
+            float *row = dst + i * TILE;
+            for (int64_t c = 0; c < cols; c++) row[c] = src[c * k + i];
+            for (int64_t c = cols; c < TILE; c++) row[c] = 0.0f;
+        }
     }
+}
+
+void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k, int num_threads) {
+    int64_t tiles = (n + TILE - 1) / TILE;
+    if (num_threads > tiles) num_threads = (int)tiles;
+    if (num_threads < 2) {
+        pack_tiles(w, packed, n, k, 0, tiles);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int t = 0; t < num_threads; t++)
+        pack_tiles(w, packed, n, k, tiles * t / num_threads, tiles * (t + 1) / num_threads);
 }
 
 /* rows (<= ROWS) x TILE outputs; `rows` is a literal at every call site, so

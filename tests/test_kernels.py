@@ -264,6 +264,34 @@ def test_packed_gemm_matches_float64(isa: str, m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n,k", [(32, 7), (50, 288), (200, 33)])
+def test_pack_weight_is_the_tiled_transpose(isa: str, threads: int, n: int, k: int) -> None:
+    """The packing, exactly: column tiles `[tile][k][TILE]` of W's rows, the
+    last tile's missing columns zero, whatever `out` held before (a weight
+    update repacks into the old packing) and however many threads split
+    the tiles."""
+    from rayvllm.kernels import cpu_gemm
+
+    _require(isa, cpu_gemm.available)
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+    tile = cpu_gemm.tile_cols(isa)
+    tiles = -(-n // tile)
+    padded = torch.zeros(tiles * tile, k)
+    padded[:n] = weight
+    expected = padded.view(tiles, tile, k).transpose(1, 2)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = torch.full((tiles, k, tile), float("nan"))
+        assert cpu_gemm.pack_weight(weight, isa, out=out) is out
+        assert torch.equal(out, expected)
+        assert torch.equal(cpu_gemm.pack_weight(weight, isa), expected)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_apply_token_bitmask_matches_torch(isa: str) -> None:
     """The grammar mask: words of zeros, of ones and mixed, a vocabulary
     that ends inside a word, a subset of rows (the others untouched)."""
