@@ -82,7 +82,7 @@ class WeightReceiver:
         if self.backend == "ray":
             if weights is None:
                 raise InvalidParameterError("weights", "the ray backend takes the weights (a dict or an object ref)")
-            chunk = _tensors(weights if isinstance(weights, (Mapping, HostWeights)) else _fetch(weights))
+            chunk = _as_tensors(weights)
         else:
             if info is None:
                 raise InvalidParameterError("update_info", f"the {self.backend} backend takes names, dtype_names, shapes")
@@ -132,16 +132,14 @@ class WeightReceiver:
         self.staged = None
 
 
-def _fetch(ref: Any) -> Any:
-    """This worker's own fetch of the weights a trainer put once (imported
-    here: only the ray backend loads Ray)."""
-    import ray
-
-    weights = ray.get(ref)
+def _as_tensors(weights: Any) -> Mapping[str, torch.Tensor]:
+    """A `ray` chunk as tensors: a dict as it is, `HostWeights` over its
+    arrays (no copy), an object ref to either fetched by this worker itself
+    (Ray imported here: only the ray backend loads it)."""
     if not isinstance(weights, (Mapping, HostWeights)):
-        raise InvalidParameterError("weights", f"the object ref holds a {type(weights).__name__}, not a dict")
-    return weights
+        import ray
 
-
-def _tensors(weights: Mapping[str, torch.Tensor] | HostWeights) -> Mapping[str, torch.Tensor]:
+        weights = ray.get(weights)
+        if not isinstance(weights, (Mapping, HostWeights)):
+            raise InvalidParameterError("weights", f"the object ref holds a {type(weights).__name__}, not a dict")
     return weights.tensors() if isinstance(weights, HostWeights) else weights
