@@ -7,6 +7,7 @@ the lost engine is left behind."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,17 @@ def cluster(ray_private: None) -> Iterator[tuple[Cluster, list[object]]]:
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
     try:
+        # The state API asks the head's dashboard, which registers in the GCS a
+        # while after the head is up (on a busy machine, after the engine starts:
+        # "Could not read 'dashboard' from GCS").
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                _groups()
+                break
+            except ConnectionError:
+                assert time.monotonic() < deadline, "the head's dashboard never registered"
+                time.sleep(0.2)  # polling the head's start, not synchronisation
         yield c, nodes
     finally:
         ray.shutdown()
