@@ -23,6 +23,7 @@ from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.messages.errors import EngineDeadError  # noqa: E402
+from rayvllm.utils.network import free_port  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3)]
@@ -32,8 +33,11 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 @pytest.fixture(scope="module")
 def cluster(ray_private: None) -> Iterator[tuple[Cluster, list[object]]]:
     # The head runs no work (as a cloud head node often does); each worker
-    # node has room for the engine (world size 1: one actor, one CPU).
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    # node has room for the engine (world size 1: one actor, one CPU). Its
+    # dashboard (the state API's server) on a free port: `Cluster` asks for
+    # Ray's fixed 8265 and does without a dashboard when another test
+    # worker's cluster holds it.
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "dashboard_port": free_port()})
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)

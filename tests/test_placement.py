@@ -46,7 +46,8 @@ class _NodeReporter:
 @pytest.fixture(scope="module")
 def worker_nodes(ray_private: None) -> Iterator[list[str]]:
     """Node ids of the two 2-CPU worker nodes."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    # No dashboard: nothing here asks the state API.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
