@@ -134,6 +134,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[_SERVE_APPS] = {
         app_name(str(item.path)): item.module for item in items
         if uses_shared(item, "serve_apps") and isinstance(item, pytest.Function)
+        and hasattr(item.module, "serve_app_args")
     }
 
 
@@ -174,10 +175,10 @@ def serve_local(ray_local: None) -> str:
 
 @pytest.fixture(scope="module")
 def serve_apps(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The session's shared `serve run` is up, hosting one app per module
-    of this session that uses this fixture: the app the module's
-    `serve_app_args(request)` describes, answering at `app_url(__file__)`
-    (Serve's proxy, on a free port). The apps are independent engines;
+    """The session's shared `serve run` is up: the shipped serve_config.yaml's
+    apps, and one app per module of this session that uses this fixture and
+    defines `serve_app_args(request)`: the app that describes, answering at
+    `app_url(__file__)` (Serve's proxy, on a free port). The apps are independent engines;
     a test that needs a server of its own (one it kills, Serve's direct
     ingress, the README's commands) starts one (serve_harness.serve_run)."""
     if _SHARED_SERVE.proc is None:

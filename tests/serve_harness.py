@@ -1,10 +1,10 @@
 """Start and stop a real `serve run` (or `rayvllm serve`) in a subprocess
 for the integration tests, every one on free ports: `serve run` of an
 import path answers on `SERVE_RUN_PORT_ENV`'s port (the replica itself,
-Serve's proxy one above, see serve_builder.start_fast_serve_run), a config
-file on the port written in it (`serve_run_config` writes a copy), and
+Serve's proxy one above, see serve_builder.start_fast_serve_run), and
 `rayvllm serve` tests pass `--port`/`--proxy-port`. The HTTP tests that
-need no server of their own share one (`SharedServe`)."""
+need no server of their own share one (`SharedServe`): `serve run` of the
+shipped serve_config.yaml (on a free port) with their apps added."""
 
 from __future__ import annotations
 
@@ -244,27 +244,24 @@ def serve_run(args: list[str], log_path: Path, port: int | None = None) -> Serve
                         ports=(port, port + 1), env={_builder().SERVE_RUN_PORT_ENV: str(port)})
 
 
-def serve_run_config(config: Path, log_path: Path) -> ServeProcess:
-    """`serve run <config file>`: a copy of `config` (next to `log_path`)
-    whose proxy listens on a free port instead of the one written in it."""
-    port = free_port()
-    settings = yaml.safe_load(config.read_text())
-    settings["http_options"]["port"] = port
-    copy = log_path.with_name(config.name)
-    copy.write_text(yaml.safe_dump(settings))
-    return ServeProcess([_serve(), "run", str(copy)], log_path, base_url=f"http://127.0.0.1:{port}", ports=(port,))
-
-
 # The shared server: one `serve run` of a config file hosting the apps of
 # the HTTP tests that need no server of their own, each app under its own
 # route prefix behind Serve's proxy on `SHARED_PORT` (see `SharedServe`).
 SHARED_PORT = held_port()
 SHARED_CPUS_PER_WORKER = 0.1
+SHIPPED_CONFIG = REPO / "serve_config.yaml"
 
 
 def app_name(module_file: str) -> str:
     """The shared server's app for the test module at `module_file` (and its route prefix)."""
     return Path(module_file).stem.removeprefix("test_")
+
+
+def shipped_app_url(index: int = 0) -> str:
+    """Where the shared server answers the shipped serve_config.yaml's app
+    `index` (the route prefix written there)."""
+    prefix = yaml.safe_load(SHIPPED_CONFIG.read_text())["applications"][index]["route_prefix"]
+    return f"http://127.0.0.1:{SHARED_PORT}{prefix.rstrip('/')}"
 
 
 def app_url(module_file: str) -> str:
@@ -276,9 +273,11 @@ def app_url(module_file: str) -> str:
 
 class SharedServe:
     """The one `serve run <config file>` that the modules using the
-    `serve_apps` fixture share, started on first use with every app of
-    `apps`. Invariant: while `proc` is set, each app answers at
-    `app_url(name)`; `close` stops the server and its cluster."""
+    `serve_apps` fixture share, started on first use: the shipped
+    serve_config.yaml (its proxy on `SHARED_PORT`) with every app of `apps`
+    added, each under its own route prefix. Invariant: while `proc` is set,
+    the shipped apps answer where the file puts them and each app of `apps`
+    at `app_url(name)`; `close` stops the server and its cluster."""
 
     def __init__(self) -> None:
         self.proc: ServeProcess | None = None
@@ -286,24 +285,22 @@ class SharedServe:
     def start(self, apps: dict[str, dict[str, object]], workdir: Path) -> None:
         if self.proc is not None:
             return
-        config = {
-            "proxy_location": "HeadOnly",
-            "http_options": {"host": "127.0.0.1", "port": SHARED_PORT},
-            "applications": [
-                {"name": name, "route_prefix": f"/{name}", "import_path": "serve_app:build_app",
-                 # The cluster has the machine's cores as logical CPUs (2 in CI):
-                 # a fraction of one per engine fits every app.
-                 "args": {"num_cpus_per_worker": SHARED_CPUS_PER_WORKER, **args}}
-                for name, args in apps.items()
-            ],
-        }
+        config = yaml.safe_load(SHIPPED_CONFIG.read_text())
+        config["http_options"]["port"] = SHARED_PORT
+        config["applications"] += [
+            {"name": name, "route_prefix": f"/{name}", "import_path": "serve_app:build_app",
+             # The cluster has the machine's cores as logical CPUs (2 in CI):
+             # a fraction of one per engine fits every app beside the shipped one's.
+             "args": {"num_cpus_per_worker": SHARED_CPUS_PER_WORKER, **args}}
+            for name, args in apps.items()
+        ]
         path = workdir / "shared_serve.yaml"
         path.write_text(yaml.safe_dump(config))
         base = f"http://127.0.0.1:{SHARED_PORT}"
         proc = ServeProcess([_serve(), "run", str(path)], workdir / "serve.log", base_url=base, ports=(SHARED_PORT,))
         try:
-            for name in apps:
-                proc.wait_ready(base_url=f"{base}/{name}")
+            for app in config["applications"]:
+                proc.wait_ready(base_url=base + app["route_prefix"].rstrip("/"))
         except BaseException:
             proc.stop()
             raise

@@ -1,7 +1,7 @@
 """The three ways to start the app answer HTTP: the README's `serve run
-serve_app:app` (demo model, no setup) and the shipped Serve config file,
-as documented but on free ports (serve_harness), and `rayvllm serve` on
-the port it is given."""
+serve_app:app` (demo model, no setup) on free ports (serve_harness), the
+shipped Serve config file (the shared server is `serve run` of it, with
+the other modules' apps added), and `rayvllm serve` on the port it is given."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import requests
 
 from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, serve_run_import_path
 
-from serve_harness import REPO, ServeProcess, free_port, serve_run, serve_run_config
+from serve_harness import ServeProcess, free_port, serve_run, shipped_app_url
 
 
 def _curl_completion(base_url: str) -> dict:
@@ -37,17 +37,13 @@ def _curl_completion(base_url: str) -> dict:
     return json.loads(out.stdout)
 
 
-def _check_demo(proc: ServeProcess) -> None:
-    try:
-        proc.wait_ready()
-        body = _curl_completion(proc.base_url)
-        assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
-        usage, choice = body["usage"], body["choices"][0]
-        assert isinstance(choice["text"], str) and 0 < usage["completion_tokens"] <= 8
-        assert choice["finish_reason"] == ("length" if usage["completion_tokens"] == 8 else "stop")
-        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    finally:
-        proc.stop()
+def _check_demo(base_url: str) -> None:
+    body = _curl_completion(base_url)
+    assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
+    usage, choice = body["usage"], body["choices"][0]
+    assert isinstance(choice["text"], str) and 0 < usage["completion_tokens"] <= 8
+    assert choice["finish_reason"] == ("length" if usage["completion_tokens"] == 8 else "stop")
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 def _stream_through_sigterm(proc: ServeProcess, url: str, model: str, max_tokens: int) -> None:
@@ -78,10 +74,6 @@ def _start_demo_app(workdir: Path, model: Path) -> ServeProcess:
     return serve_run(["serve_app:app"], workdir / "serve.log")
 
 
-def _start_config_file(workdir: Path, model: Path) -> ServeProcess:
-    return serve_run_config(REPO / "serve_config.yaml", workdir / "serve.log")
-
-
 def _start_cli(workdir: Path, model: Path) -> ServeProcess:
     cli = str(Path(sys.executable).with_name("rayvllm"))
     port, proxy_port = free_port(), free_port()
@@ -97,7 +89,6 @@ HAS_CLI = Path(sys.executable).with_name("rayvllm").exists()
 # Each test's server, by the test's name.
 STARTS: dict[str, Callable[[Path, Path], ServeProcess]] = {
     "test_serve_run_demo_app": _start_demo_app,
-    "test_serve_run_config_file": _start_config_file,
     "test_rayvllm_serve_cli": _start_cli,
 }
 
@@ -144,8 +135,8 @@ def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
         proc.stop()
 
 
-def test_serve_run_config_file(servers: dict[str, ServeProcess]) -> None:
-    _check_demo(servers["test_serve_run_config_file"])
+def test_serve_run_config_file(serve_apps: None) -> None:
+    _check_demo(shipped_app_url())
 
 
 @pytest.mark.skipif(not HAS_CLI, reason="console script not installed")
