@@ -93,7 +93,7 @@ def make_layout(candidate: str, weight: torch.Tensor, out: Layout | None = None)
         return out if out.data_ptr() == weight.data_ptr() else out.copy_(weight)
     if candidate == "mm_t":
         target = empty_huge((weight.shape[1], weight.shape[0])) if out is None else out
-        return target.copy_(weight.t())
+        return cpu_gemm.transpose(weight, target) if cpu_gemm.available() else target.copy_(weight.t())
     if candidate == "packed":
         return cpu_gemm.pack_weight(weight, out=out)
     if candidate == "mkldnn":
@@ -251,13 +251,14 @@ class PlannedGemm:
         # hot path is one list lookup, no bucket arithmetic.
         self._for_rows = [by_bucket[bucket_index(max(rows, 1))] for rows in range(ROW_BUCKETS[-1] + 1)]
 
-    def staging(self) -> torch.Tensor:
+    def staging(self, arena: torch.Tensor) -> torch.Tensor:
         """An `[out, in]` tensor to load a new weight into before `load`: the
         `linear` layout itself where the plan keeps one (loading it is then
-        the update), else a new tensor."""
+        the update), else a view of `arena` (scratch of at least out x in
+        elements that `load` leaves no layout pointing into)."""
         if "linear" in self.layouts:
             return self.layouts["linear"]
-        return torch.empty(self.out_features, self.in_features)
+        return arena[: self.out_features * self.in_features].view(self.out_features, self.in_features)
 
     def load(self, weight: torch.Tensor) -> None:
         """Every layout refreshed from `weight` `[out, in]` in the storage it

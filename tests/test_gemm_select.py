@@ -134,18 +134,27 @@ def test_planned_gemm_matches_f_linear(candidate: str) -> None:
         torch.testing.assert_close(gemm(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
-def test_a_loaded_weight_is_multiplied_as_a_new_plan_would_in_the_same_storage() -> None:
+@pytest.mark.parametrize("keeps_linear", [True, False])
+def test_a_loaded_weight_is_multiplied_as_a_new_plan_would_in_the_same_storage(keeps_linear: bool) -> None:
     """`load` refills every layout a split plan keeps: products equal those of a
-    plan built on the new weight, bit for bit, and the layouts that can stay put do."""
+    plan built on the new weight, bit for bit, and the layouts that can stay put
+    do. The staging tensor is the `linear` layout where the plan keeps one, else
+    a view of the scratch arena, which no layout reads after `load` (the next
+    module's weight overwrites it)."""
     candidates = [c for c in ("linear", "mm_t", "packed", "mkldnn") if c in gemm_select.available_candidates()]
+    if not keeps_linear:
+        candidates.remove("linear")
     plan = GemmPlan(tuple(candidates[i % len(candidates)] for i in range(len(ROW_BUCKETS))))
     gen = torch.Generator().manual_seed(4)
     old, new = torch.randn(70, 40, generator=gen), torch.randn(70, 40, generator=gen)
     gemm = PlannedGemm(old.clone(), plan)
     kept = {c: t.data_ptr() for c, t in gemm.layouts.items() if c != "mkldnn"}
-    staging = gemm.staging()
+    arena = torch.full((70 * 40 + 3,), float("nan"))
+    staging = gemm.staging(arena)
+    assert (staging.data_ptr() == arena.data_ptr()) != keeps_linear
     staging.copy_(new)
     gemm.load(staging)
+    arena.fill_(float("nan"))
     fresh = PlannedGemm(new.clone(), plan)
     assert {c: t.data_ptr() for c, t in gemm.layouts.items() if c != "mkldnn"} == kept
     for rows in (1, 3, 13, 40, 600):

@@ -283,26 +283,20 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -----------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """Consume HF-named tensors: keep this stage's layers, this TP rank's
-        slices, and land q/k/v and gate/up in their fused parameters."""
+        slices, and land q/k/v and gate/up in their fused parameters.
+        Returns the parameters loaded; `strict`: every parameter must be."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            local = self._local_name(name)
+            if local is None:
                 continue
-            name = name.removeprefix("model.")
-            if name == "embed_tokens.weight" or name == "lm_head.weight":
-                self._load_vocab(name, tensor, loaded)
+            if local == "embed_tokens.weight" or local == "lm_head.weight":
+                self._load_vocab(local, tensor, loaded)
                 continue
-            if name.startswith("layers."):
-                index = int(name.split(".", 2)[1])
-                if not self.start_layer <= index < self.end_layer:
-                    continue
-                name = f"layers.{index - self.start_layer}." + name.split(".", 2)[2]
-            elif name.startswith("norm.") and self.norm is None:
-                continue
-            target, rows, cols = self.shard_of(name)
+            target, rows, cols = self.shard_of(local)
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
@@ -315,28 +309,58 @@ class LlamaForCausalLM(nn.Module):
                     param[rows[0] : rows[0] + rows[2]].copy_(tensor[rows[1] : rows[1] + rows[2]])
             loaded.add(target)
         missing = set(params) - loaded
-        if missing:
+        if strict and missing:
             raise KeyError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
+        return loaded
+
+    def _local_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as this stage's parameters name it
+        (layer index local), or None for one this stage does not hold."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        name = name.removeprefix("model.")
+        if name.startswith("layers."):
+            index = int(name.split(".", 2)[1])
+            if not self.start_layer <= index < self.end_layer:
+                return None
+            return f"layers.{index - self.start_layer}." + name.split(".", 2)[2]
+        if name.startswith("norm.") and self.norm is None:
+            return None
+        return name
 
     def load_weights_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """`load_weights` into the live model: every parameter keeps its
         storage (captured CUDA graphs stay valid) and each CPU GEMM plan's
         layouts are refilled where they are (kernels/gemm_select.py), so an
-        update costs about a copy of the weights rather than a new model.
-        `weights` must be whole and checked (worker/weight_transfer.py does):
-        a tensor missing here would leave the model half updated."""
-        planned = [m for m in self.modules() if isinstance(m, Linear) and m.gemm is not None]
-        for module in planned:
-            module.weight = nn.Parameter(module.gemm.staging(), requires_grad=False)
-        try:
-            self.load_weights(weights)
-            for module in planned:
+        update costs about a copy of the weights per layout rather than a
+        new model. `weights` must be whole and checked
+        (worker/weight_transfer.py does): a tensor missing here would leave
+        the model half updated."""
+        planned = {name: m for name, m in self.named_modules() if isinstance(m, Linear) and m.gemm is not None}
+        by_module: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name in planned}
+        rest: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            local = self._local_name(name)
+            module = None if local is None else self.shard_of(local)[0].rpartition(".")[0]
+            (by_module[module] if module in by_module else rest).append((name, tensor))
+        expected = set(dict(self.named_parameters())) | {f"{name}.weight" for name in planned}
+        loaded = self.load_weights(rest, strict=False)
+        # A planned module's weight is assembled (q, k and v side by side,
+        # say) in one scratch buffer that every module reuses in turn: it is
+        # paged in once, and still in cache when its layouts are filled.
+        arena = torch.empty(max((m.gemm.out_features * m.gemm.in_features for m in planned.values()), default=0))
+        for name, module in planned.items():
+            module.weight = nn.Parameter(module.gemm.staging(arena), requires_grad=False)
+            try:
+                loaded |= self.load_weights(by_module[name], strict=False)
                 module.gemm.load(module.weight)
-            if self.lm_head is not None and self.lm_head.gemm is not None:
-                self.lm_head.gemm.load(self.lm_head.weight)
-        finally:
-            for module in planned:
+            finally:
                 module.weight = None  # type: ignore[assignment]
+        if self.lm_head is not None and self.lm_head.gemm is not None:
+            self.lm_head.gemm.load(self.lm_head.weight)
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"weights missing from the update: {sorted(missing)[:8]}")
 
     def _load_vocab(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
         """The embedding feeds the first stage, and the LM head too when tied;
