@@ -29,6 +29,7 @@ def _library(isa: str) -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.transpose_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.gemm_packed_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.gemm_tile_cols.restype = i64
     lib.tile = int(lib.gemm_tile_cols())
@@ -72,6 +73,18 @@ def pack_weight(weight: torch.Tensor, isa: str | None = None, out: torch.Tensor 
     packed = empty_huge(shape) if out is None else out
     lib.pack_weight_f32(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
     return packed
+
+
+def transpose(weight: torch.Tensor, out: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """`out` (contiguous float32 `[K, N]`) filled with `weight` `[N, K]` transposed."""
+    lib = _library(isa or default_isa())
+    assert lib is not None and weight.dtype == torch.float32
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    if tuple(out.shape) != (k, n) or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {(k, n)}, got {tuple(out.shape)}")
+    lib.transpose_f32(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, isa: str | None = None) -> torch.Tensor:

@@ -89,6 +89,37 @@ void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k, int nu
         pack_tiles(w, packed, n, k, tiles * t / num_threads, tiles * (t + 1) / num_threads);
 }
 
+/* out [k, n] = w [n, k] transposed, for torch.mm's `[in, out]` layout of a
+ * weight: TBLOCK x TBLOCK blocks (the block of w read across and the block
+ * of out written along both stay in L1), threads splitting out's rows. A
+ * strided copy (torch's `copy_` of `w.t()`) was the largest part of a
+ * weight update (docs/BENCHMARKS.md). */
+#define TBLOCK 32
+static void transpose_rows(const float *w, float *out, int64_t n, int64_t k, int64_t i0, int64_t i1) {
+    for (int64_t ib = i0; ib < i1; ib += TBLOCK) {
+        int64_t ie = ib + TBLOCK < i1 ? ib + TBLOCK : i1;
+        for (int64_t cb = 0; cb < n; cb += TBLOCK) {
+            int64_t ce = cb + TBLOCK < n ? cb + TBLOCK : n;
+            for (int64_t i = ib; i < ie; i++)
+                for (int64_t c = cb; c < ce; c++) out[i * n + c] = w[c * k + i];
+        }
+    }
+}
+
+void transpose_f32(const float *w, float *out, int64_t n, int64_t k, int num_threads) {
+    int64_t blocks = (k + TBLOCK - 1) / TBLOCK;
+    if (num_threads > blocks) num_threads = (int)blocks;
+    if (num_threads < 2) {
+        transpose_rows(w, out, n, k, 0, k);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int t = 0; t < num_threads; t++) {
+        int64_t i0 = blocks * t / num_threads * TBLOCK, i1 = blocks * (t + 1) / num_threads * TBLOCK;
+        transpose_rows(w, out, n, k, i0, i1 < k ? i1 : k);
+    }
+}
+
 /* rows (<= ROWS) x TILE outputs; `rows` is a literal at every call site, so
  * the accumulators become registers. The block also fetches `pf_lines`
  * lines of `pf` into L2, part of the next tile, so that its read from memory

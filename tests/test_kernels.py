@@ -292,6 +292,29 @@ def test_pack_weight_is_the_tiled_transpose(isa: str, threads: int, n: int, k: i
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 7), (50, 288), (200, 65)])
+def test_transpose_is_exact(isa: str, threads: int, n: int, k: int) -> None:
+    """torch.mm's `[in, out]` layout of a weight, exactly, into an `out` full
+    of NaN (a weight update rewrites the old layout), blocks partial at
+    both edges, however many threads split the rows; a wrong `out` is refused."""
+    from rayvllm.kernels import cpu_gemm
+
+    _require(isa, cpu_gemm.available)
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = torch.full((k, n), float("nan"))
+        assert cpu_gemm.transpose(weight, out, isa) is out
+        assert torch.equal(out, weight.t())
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(ValueError, match="out"):
+        cpu_gemm.transpose(weight, torch.empty(n, k + 1), isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_apply_token_bitmask_matches_torch(isa: str) -> None:
     """The grammar mask: words of zeros, of ones and mixed, a vocabulary
     that ends inside a word, a subset of rows (the others untouched)."""
