@@ -77,27 +77,33 @@ static void pack_tiles(const float *w, float *packed, int64_t n, int64_t k, int6
     }
 }
 
-void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k, int num_threads) {
-    int64_t tiles = (n + TILE - 1) / TILE;
-    if (num_threads > tiles) num_threads = (int)tiles;
+/* `fn` over units [0, units) of an n x k weight, the threads (at most one
+ * per unit) taking equal runs of them. */
+typedef void (*unit_fn)(const float *w, float *out, int64_t n, int64_t k, int64_t u0, int64_t u1);
+static void over_threads(unit_fn fn, const float *w, float *out, int64_t n, int64_t k, int64_t units,
+                         int num_threads) {
+    if (num_threads > units) num_threads = (int)units;
     if (num_threads < 2) {
-        pack_tiles(w, packed, n, k, 0, tiles);
+        fn(w, out, n, k, 0, units);
         return;
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-    for (int t = 0; t < num_threads; t++)
-        pack_tiles(w, packed, n, k, tiles * t / num_threads, tiles * (t + 1) / num_threads);
+    for (int t = 0; t < num_threads; t++) fn(w, out, n, k, units * t / num_threads, units * (t + 1) / num_threads);
+}
+
+void pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k, int num_threads) {
+    over_threads(pack_tiles, w, packed, n, k, (n + TILE - 1) / TILE, num_threads);
 }
 
 /* out [k, n] = w [n, k] transposed, for torch.mm's `[in, out]` layout of a
  * weight: TBLOCK x TBLOCK blocks (the block of w read across and the block
- * of out written along both stay in L1), threads splitting out's rows. A
- * strided copy (torch's `copy_` of `w.t()`) was the largest part of a
- * weight update (docs/BENCHMARKS.md). */
+ * of out written along both stay in L1), threads splitting out's rows by
+ * blocks. A strided copy (torch's `copy_` of `w.t()`) was the largest part
+ * of a weight update (docs/BENCHMARKS.md). */
 #define TBLOCK 32
-static void transpose_rows(const float *w, float *out, int64_t n, int64_t k, int64_t i0, int64_t i1) {
-    for (int64_t ib = i0; ib < i1; ib += TBLOCK) {
-        int64_t ie = ib + TBLOCK < i1 ? ib + TBLOCK : i1;
+static void transpose_blocks(const float *w, float *out, int64_t n, int64_t k, int64_t b0, int64_t b1) {
+    for (int64_t ib = b0 * TBLOCK; ib < b1 * TBLOCK && ib < k; ib += TBLOCK) {
+        int64_t ie = ib + TBLOCK < k ? ib + TBLOCK : k;
         for (int64_t cb = 0; cb < n; cb += TBLOCK) {
             int64_t ce = cb + TBLOCK < n ? cb + TBLOCK : n;
             for (int64_t i = ib; i < ie; i++)
@@ -107,17 +113,7 @@ static void transpose_rows(const float *w, float *out, int64_t n, int64_t k, int
 }
 
 void transpose_f32(const float *w, float *out, int64_t n, int64_t k, int num_threads) {
-    int64_t blocks = (k + TBLOCK - 1) / TBLOCK;
-    if (num_threads > blocks) num_threads = (int)blocks;
-    if (num_threads < 2) {
-        transpose_rows(w, out, n, k, 0, k);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-    for (int t = 0; t < num_threads; t++) {
-        int64_t i0 = blocks * t / num_threads * TBLOCK, i1 = blocks * (t + 1) / num_threads * TBLOCK;
-        transpose_rows(w, out, n, k, i0, i1 < k ? i1 : k);
-    }
+    over_threads(transpose_blocks, w, out, n, k, (k + TBLOCK - 1) / TBLOCK, num_threads);
 }
 
 /* rows (<= ROWS) x TILE outputs; `rows` is a literal at every call site, so
