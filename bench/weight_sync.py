@@ -5,7 +5,7 @@ way the engine offers, against a plain in-memory copy of the same bytes.
         [--backends ray,gloo] [--repeats 3] [--json-out FILE]
 
 The trainer is this process, holding the model's Hugging Face state dict
-(float32). Rows, each the median of `--repeats` runs:
+(float32). Rows, each the median of `--repeats` runs after an untimed one:
 - floor: `copy_` of every tensor into a preallocated twin (the bytes moved
   once, in memory: nothing can be faster);
 - load only: `sync_weights` of the dict into an in-process engine, which
@@ -45,6 +45,11 @@ from _common import build_model, cpu_line, ensure_repo_on_path, format_table  # 
 
 
 def _timed(run: Callable[[], object], repeats: int) -> float:
+    """The median of `repeats` timed runs after one untimed run: an RL loop
+    syncs after every step, and the first sync pays once for what later
+    ones reuse (the worker's first touch of its buffers, the object store's
+    first pages)."""
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
