@@ -26,7 +26,13 @@ from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.core.block_events import BlockEventLog
 from rayvllm.core.replica_router import decode_report
-from rayvllm.messages.block_hash import hash_request_tokens, routing_key
+from rayvllm.messages.block_hash import (
+    full_block_routing_keys,
+    hash_request_tokens,
+    num_hit_blocks,
+    prefix_routing_keys,
+    routing_key,
+)
 from rayvllm.messages.outputs import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -81,6 +87,27 @@ def test_an_engines_report_names_exactly_the_blocks_it_caches(tiny_model_dir: Pa
     # 44 tokens were computed (prompt and outputs but the last): two full blocks of the prompt.
     expected = [routing_key(h) for h in hash_request_tokens(16, (prompt + [0] * 4)[:32])]
     assert sorted(keys) == sorted(expected[:2]) and load.num_running == 0 and load.num_queued_tokens == 0
+
+
+def test_the_router_records_every_prompt_block_the_engine_then_holds(tiny_model_dir: Path) -> None:
+    """A prompt of exactly four blocks: after it is served the engine holds
+    all four (the last token's block too), and that is what the router
+    records for the replica it sent the prompt to; a lookup of the same
+    prompt can hit only the first three (its last token is always computed)."""
+    prompt = [random.Random(5).randrange(5, 4000) for _ in range(64)]
+
+    async def main() -> dict:
+        engine = _engine(tiny_model_dir)
+        try:
+            await _complete(engine, prompt, "r")
+            return engine.routing_report()
+        finally:
+            engine.shutdown()
+
+    _, held = decode_report(asyncio.run(main()))
+    recorded = full_block_routing_keys(16, prompt)
+    assert len(recorded) == 4 and set(recorded) <= set(held)
+    assert prefix_routing_keys(16, prompt) == recorded[:num_hit_blocks(16, len(prompt))] == recorded[:3]
 
 
 def test_a_replicas_queue_counts_only_the_prompt_tokens_it_has_not_cached(tiny_model_dir: Path) -> None:

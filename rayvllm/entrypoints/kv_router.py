@@ -49,7 +49,7 @@ from rayvllm.core.replica_router import (
     rank_replicas,
     report_taken_at,
 )
-from rayvllm.messages.block_hash import prefix_routing_keys
+from rayvllm.messages.block_hash import full_block_routing_keys, num_hit_blocks
 
 # Sessions remembered (least recently used go first).
 MAX_SESSIONS = 65536
@@ -115,7 +115,8 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         keys, num_tokens, session = self._request_keys(pending_request)
         ids = list(by_id)
-        hits = self._index.prefix_hits(keys, ids) if keys else {}
+        lookup = keys[: num_hit_blocks(self._policy.block_size, num_tokens)]
+        hits = self._index.prefix_hits(lookup, ids) if lookup else {}
         if pending_request is not None:
             self._routing[pending_request.metadata.internal_request_id] = _Routing(keys, session, num_tokens, hits)
             while len(self._routing) > MAX_PENDING_ROUTINGS:
@@ -195,10 +196,11 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._sessions.forget(replica)
 
     def _request_keys(self, pending_request: PendingRequest | None) -> tuple[list[bytes], int, str | None]:
-        """The routing keys of the prompt's full blocks (the last token is
-        always computed, as the engines count hits), its length, and its
-        session; nothing for a request the router cannot read or whose
-        blocks carry extra keys (an adapter, a cache salt)."""
+        """The routing keys of all the prompt's full blocks (those the replica
+        it goes to will hold; a lookup counts all but the last token's, as the
+        engines count hits), its length, and its session; nothing for a
+        request the router cannot read or whose blocks carry extra keys (an
+        adapter, a cache salt)."""
         if pending_request is None:
             return [], 0, None
         args, kwargs = pending_request.args, pending_request.kwargs
@@ -211,7 +213,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
             tokens = self._tokens(args[0] if args else kwargs.get("prompt"))
         if tokens is None:
             return [], 0, session
-        return prefix_routing_keys(self._policy.block_size, tokens), len(tokens), session
+        return full_block_routing_keys(self._policy.block_size, tokens), len(tokens), session
 
     def _tokens(self, prompt: Any) -> list[int] | None:
         if isinstance(prompt, dict):

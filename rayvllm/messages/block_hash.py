@@ -109,15 +109,29 @@ def hit_block_hashes(
 ) -> list[BlockHash]:
     """Hashes of the blocks that can count as prefix-cache hits: the full
     blocks of all but the last token (which is always computed)."""
-    max_blocks = max(len(token_ids) - 1, 0) // block_size
+    max_blocks = num_hit_blocks(block_size, len(token_ids))
     if max_blocks == 0:
         return []
     return hash_request_tokens(block_size, token_ids[: max_blocks * block_size], extra_keys)
 
 
+def num_hit_blocks(block_size: int, num_tokens: int) -> int:
+    """Leading full blocks of a `num_tokens` prompt that a lookup can find
+    cached (the last token is always computed)."""
+    return max(num_tokens - 1, 0) // block_size
+
+
 def prefix_routing_keys(block_size: int, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> list[bytes]:
     """Routing keys of the blocks of `token_ids` that can count as prefix-cache hits."""
     return [routing_key(h) for h in hit_block_hashes(block_size, token_ids, extra_keys)]
+
+
+def full_block_routing_keys(block_size: int, token_ids: Sequence[int]) -> list[bytes]:
+    """Routing keys of every full block of `token_ids`: what an engine holds
+    once it has prefilled them (the block of the last token included, which
+    `prefix_routing_keys` leaves out: a lookup cannot hit it, a later,
+    longer prompt can)."""
+    return [routing_key(h) for h in hash_request_tokens(block_size, token_ids)]
 
 
 def cached_prefix_tokens(block_size: int, keys: Sequence[bytes], cached_keys: Set[bytes]) -> int:
