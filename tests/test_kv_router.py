@@ -70,20 +70,25 @@ async def _complete(engine: Any, prompt: list[int], request_id: str) -> None:
         pass
 
 
-def test_an_engines_report_names_exactly_the_blocks_it_caches(tiny_model_dir: Path) -> None:
-    """Through the engine loop and its client: after a 40-token prompt the
-    report holds its two full 16-token blocks' keys, and the load."""
-    prompt = [random.Random(3).randrange(5, 4000) for _ in range(40)]
+def _report_after(model_dir: Path, prompt: list[int]) -> tuple[Any, list[bytes]]:
+    """A fresh engine's routing report (load, block keys) after it served `prompt`."""
 
     async def main() -> dict:
-        engine = _engine(tiny_model_dir)
+        engine = _engine(model_dir)
         try:
             await _complete(engine, prompt, "r")
             return engine.routing_report()
         finally:
             engine.shutdown()
 
-    load, keys = decode_report(asyncio.run(main()))
+    return decode_report(asyncio.run(main()))
+
+
+def test_an_engines_report_names_exactly_the_blocks_it_caches(tiny_model_dir: Path) -> None:
+    """Through the engine loop and its client: after a 40-token prompt the
+    report holds its two full 16-token blocks' keys, and the load."""
+    prompt = [random.Random(3).randrange(5, 4000) for _ in range(40)]
+    load, keys = _report_after(tiny_model_dir, prompt)
     # 44 tokens were computed (prompt and outputs but the last): two full blocks of the prompt.
     expected = [routing_key(h) for h in hash_request_tokens(16, (prompt + [0] * 4)[:32])]
     assert sorted(keys) == sorted(expected[:2]) and load.num_running == 0 and load.num_queued_tokens == 0
@@ -95,16 +100,7 @@ def test_the_router_records_every_prompt_block_the_engine_then_holds(tiny_model_
     records for the replica it sent the prompt to; a lookup of the same
     prompt can hit only the first three (its last token is always computed)."""
     prompt = [random.Random(5).randrange(5, 4000) for _ in range(64)]
-
-    async def main() -> dict:
-        engine = _engine(tiny_model_dir)
-        try:
-            await _complete(engine, prompt, "r")
-            return engine.routing_report()
-        finally:
-            engine.shutdown()
-
-    _, held = decode_report(asyncio.run(main()))
+    _, held = _report_after(tiny_model_dir, prompt)
     recorded = full_block_routing_keys(16, prompt)
     assert len(recorded) == 4 and set(recorded) <= set(held)
     assert prefix_routing_keys(16, prompt) == recorded[:num_hit_blocks(16, len(prompt))] == recorded[:3]
