@@ -283,11 +283,16 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -----------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume HF-named tensors: keep this stage's layers, this TP rank's
-        slices, and land q/k/v and gate/up in their fused parameters.
-        Returns the parameters loaded; `strict`: every parameter must be."""
+        slices, and land q/k/v and gate/up in their fused parameters."""
         params = dict(self.named_parameters())
+        missing = set(params) - self._load_into(params, weights)
+        if missing:
+            raise KeyError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
+
+    def _load_into(self, params: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """`load_weights` into `params` (our name -> its tensor); returns the names loaded."""
         loaded: set[str] = set()
         for name, tensor in weights:
             local = self._local_name(name)
@@ -308,9 +313,6 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     param[rows[0] : rows[0] + rows[2]].copy_(tensor[rows[1] : rows[1] + rows[2]])
             loaded.add(target)
-        missing = set(params) - loaded
-        if strict and missing:
-            raise KeyError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
         return loaded
 
     def _local_name(self, name: str) -> str | None:
@@ -343,22 +345,19 @@ class LlamaForCausalLM(nn.Module):
             local = self._local_name(name)
             module = None if local is None else self.shard_of(local)[0].rpartition(".")[0]
             (by_module[module] if module in by_module else rest).append((name, tensor))
-        expected = set(dict(self.named_parameters())) | {f"{name}.weight" for name in planned}
-        loaded = self.load_weights(rest, strict=False)
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        loaded = self._load_into(params, rest)
         # A planned module's weight is assembled (q, k and v side by side,
         # say) in one scratch buffer that every module reuses in turn: it is
         # paged in once, and still in cache when its layouts are filled.
         arena = torch.empty(max((m.gemm.out_features * m.gemm.in_features for m in planned.values()), default=0))
         for name, module in planned.items():
-            module.weight = nn.Parameter(module.gemm.staging(arena), requires_grad=False)
-            try:
-                loaded |= self.load_weights(by_module[name], strict=False)
-                module.gemm.load(module.weight)
-            finally:
-                module.weight = None  # type: ignore[assignment]
+            staging = params[f"{name}.weight"] = module.gemm.staging(arena)
+            loaded |= self._load_into(params, by_module[name])
+            module.gemm.load(staging)
         if self.lm_head is not None and self.lm_head.gemm is not None:
             self.lm_head.gemm.load(self.lm_head.weight)
-        missing = expected - loaded
+        missing = set(params) - loaded
         if missing:
             raise KeyError(f"weights missing from the update: {sorted(missing)[:8]}")
 
