@@ -125,7 +125,7 @@ def test_a_routed_request_counts_until_it_ends_or_a_report_taken_after_it() -> N
     """A report taken before a request was routed (however late it arrives)
     leaves the request's tokens counted on its replica; one taken after it
     drops them, as does the request's end or its replica leaving."""
-    tally = InflightTally()
+    tally = InflightTally(max_age_s=300.0)
     tally.add("a", "r1", 100, now=10.0)
     tally.add("b", "r1", 40, now=12.0)
     tally.add("c", "r2", 7, now=12.0)
@@ -133,8 +133,42 @@ def test_a_routed_request_counts_until_it_ends_or_a_report_taken_after_it() -> N
     assert tally.load("r1") == (2, 140)
     tally.after_report("r1", taken_at=11.0)  # covers "a" only
     assert tally.load("r1") == (1, 40)
-    tally.ended("b")
-    tally.ended("b")  # twice (Serve's word after a report's): counted off once
+    tally.ended("b", at=13.0)
+    tally.ended("b", at=14.0)  # twice (Serve's word after a report's): counted off once
     assert tally.load("r1") == (0, 0) and tally.load("r2") == (1, 7)
     tally.forget("r2")
-    assert tally.load("r2") == (0, 0) and len(tally) == 0
+    assert tally.load("r2") == (0, 0) and len(tally) == 2  # "a" runs; "b" waits for a report taken after its end
+
+
+def test_an_ended_requests_queue_comes_off_the_reports_that_counted_it() -> None:
+    """A request counted by its replica's report (queued when it was taken)
+    that then ends takes its tokens off that report's queue, and off a
+    report taken before its end that arrives later, until a report taken
+    after its end arrives; a report taken before its routing never counted it."""
+    tally = InflightTally(max_age_s=300.0)
+    tally.add("a", "r1", 100, now=10.0)
+    tally.after_report("r1", taken_at=11.0)
+    tally.ended("a", at=12.0)
+    assert tally.load("r1") == (0, -100)
+    tally.after_report("r1", taken_at=11.5)  # taken while "a" ran, arriving after it ended
+    assert tally.load("r1") == (0, -100)
+    tally.after_report("r1", taken_at=12.5)
+    assert tally.load("r1") == (0, 0) and len(tally) == 0
+    tally.add("b", "r1", 30, now=20.0)
+    tally.ended("b", at=21.0)  # no report has counted it yet
+    assert tally.load("r1") == (0, 0)
+    tally.after_report("r1", taken_at=20.5)  # one taken while it ran, arriving late, did
+    assert tally.load("r1") == (0, -30)
+    tally.after_report("r1", taken_at=19.0)  # one taken before it was routed did not
+    assert tally.load("r1") == (0, 0) and len(tally) == 1
+
+
+def test_a_request_whose_end_never_comes_is_dropped_after_max_age() -> None:
+    tally = InflightTally(max_age_s=300.0)
+    tally.add("a", "r1", 100, now=10.0)
+    tally.after_report("r1", taken_at=20.0)
+    assert len(tally) == 1
+    tally.after_report("r1", taken_at=311.0)
+    assert len(tally) == 0
+    tally.ended("a", at=312.0)
+    assert tally.load("r1") == (0, 0)

@@ -184,49 +184,103 @@ class RecentRoutes:
         return len(self._ended_at)
 
 
-class InflightTally:
-    """Per replica, the requests a router sent there that its last report
-    does not count yet, and their uncached prompt tokens: the load to add to
-    that report, so a burst spreads before the reports catch up.
+@dataclass(slots=True)
+class _Sent:
+    """A request a router sent to a replica: its uncached prompt tokens,
+    when it was routed and when it ended (wall clock; inf while it runs)."""
 
-    A request counts until it ends or a report taken after it was routed
-    arrives (that report shows it queued, running or done). A report taken
-    before it, even one that reaches the router later, leaves it counted.
+    tokens: int
+    routed_at: float
+    ended_at: float = math.inf
+
+
+class InflightTally:
+    """Per replica, how far its last report's load is from what the router
+    knows since: the requests sent there that the report does not count yet
+    (with their uncached prompt tokens, so a burst spreads before the
+    reports catch up), less the queued tokens of requests the report counts
+    that have since ended.
+
+    A request adds to its replica's load until it ends or a report taken
+    after it was routed arrives (that report shows it queued, running or
+    done). A report taken before it, even one that reaches the router later,
+    leaves it counted. Once such a report counts it, its end takes its
+    tokens off that report's queue until a report taken after the end
+    arrives: a report taken while it was queued can reach the router after
+    it ended (so an ended request is kept until then), and its queue would
+    otherwise outlive it. The reported queue
+    is not split by request (the tokens deducted may already have been
+    prefilled), so the caller clamps the sum at zero. A request whose end
+    the router never learns is dropped `max_age_s` after it was routed.
     """
 
-    def __init__(self) -> None:
-        self._requests: dict[str, tuple[str, int, float]] = {}  # id -> replica, tokens, routed at (wall clock)
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._sent: dict[str, dict[str, _Sent]] = {}  # replica -> request id -> sent
+        self._replica_of: dict[str, str] = {}  # request id -> replica
+        self._report_at: dict[str, float] = {}  # replica -> when its last report was taken
         self._totals: dict[str, tuple[int, int]] = {}  # replica -> requests, tokens
 
     def add(self, request: str, replica: str, tokens: int, now: float) -> None:
-        self._requests[request] = (replica, tokens, now)
-        self._count(replica, 1, tokens)
+        sent = _Sent(tokens, now)
+        self._sent.setdefault(replica, {})[request] = sent
+        self._replica_of[request] = replica
+        self._count(replica, sent, 1)
 
-    def ended(self, request: str) -> None:
-        entry = self._requests.pop(request, None)
-        if entry is not None:
-            self._count(entry[0], -1, -entry[1])
+    def ended(self, request: str, at: float) -> None:
+        """`request` ended at wall-clock time `at` (unknown ids and a second end are ignored)."""
+        replica = self._replica_of.get(request)
+        if replica is None:
+            return
+        sent = self._sent[replica][request]
+        if sent.ended_at != math.inf:
+            return
+        self._count(replica, sent, -1)
+        sent.ended_at = at
+        self._count(replica, sent, 1)
 
     def after_report(self, replica: str, taken_at: float) -> None:
-        for request in [r for r, (rep, _, at) in self._requests.items() if rep == replica and at <= taken_at]:
-            self.ended(request)
+        """A report of `replica` taken at `taken_at` is now its last."""
+        self._report_at[replica] = taken_at
+        self._totals.pop(replica, None)
+        for request, sent in list(self._sent.get(replica, {}).items()):
+            if sent.ended_at <= taken_at or sent.routed_at < taken_at - self.max_age_s:
+                self._drop(replica, request)
+            else:
+                self._count(replica, sent, 1)
 
     def forget(self, replica: str) -> None:
-        self.after_report(replica, math.inf)
+        for request in self._sent.pop(replica, {}):
+            del self._replica_of[request]
+        self._report_at.pop(replica, None)
+        self._totals.pop(replica, None)
 
     def load(self, replica: str) -> tuple[int, int]:
-        """(requests, prompt tokens) sent to `replica` beyond its last report."""
+        """(requests, prompt tokens) to add to `replica`'s last report; the
+        tokens may be negative (ended requests the report still queues)."""
         return self._totals.get(replica, (0, 0))
 
-    def _count(self, replica: str, requests: int, tokens: int) -> None:
+    def _share(self, replica: str, sent: _Sent) -> tuple[int, int]:
+        report_at = self._report_at.get(replica, -math.inf)
+        if sent.routed_at > report_at:  # the report does not count it
+            return (1, sent.tokens) if sent.ended_at == math.inf else (0, 0)
+        return (0, -sent.tokens) if report_at < sent.ended_at < math.inf else (0, 0)
+
+    def _count(self, replica: str, sent: _Sent, sign: int) -> None:
+        requests, tokens = self._share(replica, sent)
         had_requests, had_tokens = self._totals.get(replica, (0, 0))
-        if had_requests + requests == 0:
+        total = (had_requests + sign * requests, had_tokens + sign * tokens)
+        if total == (0, 0):
             self._totals.pop(replica, None)
         else:
-            self._totals[replica] = (had_requests + requests, had_tokens + tokens)
+            self._totals[replica] = total
+
+    def _drop(self, replica: str, request: str) -> None:
+        del self._sent[replica][request]
+        del self._replica_of[request]
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._replica_of)
 
 
 class SessionTable:

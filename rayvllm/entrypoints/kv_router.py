@@ -12,7 +12,9 @@ report finds them (they are kept over reports until one taken after the
 request ended, which shows them or their eviction), and its uncached
 prompt as queued work until it ends or a report taken after it was
 routed arrives (`InflightTally`), so a burst spreads before the reports
-catch up. A report replaces what the replica held (its evictions
+catch up; once a report counts it, its end takes it off that report's
+queue (a report taken while it queued can arrive after it ended). A
+report replaces what the replica held (its evictions
 included), and a replica that left is forgotten. Routing never waits for
 a report: a replica without one counts as idle and empty.
 
@@ -25,7 +27,6 @@ entrypoints/openai/routing_hints.py).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,8 +57,8 @@ MAX_SESSIONS = 65536
 # Requests whose routing waits for Serve's word on where they went; one
 # cancelled before it was routed never gets it, so the oldest go first.
 MAX_PENDING_ROUTINGS = 65536
-# RecentRoutes: how far two nodes' clocks may differ, and how long the
-# blocks of a request whose end the router never learns are kept.
+# RecentRoutes: how far two nodes' clocks may differ; it and InflightTally:
+# how long a request whose end the router never learns is kept.
 REPORT_CLOCK_SKEW_S = 1.0
 RECENT_ROUTE_MAX_S = 300.0
 
@@ -91,7 +92,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._recent = RecentRoutes(REPORT_CLOCK_SKEW_S, RECENT_ROUTE_MAX_S)
         self._sessions = SessionTable(MAX_SESSIONS)
         self._routing: OrderedDict[str, _Routing] = OrderedDict()  # internal request id -> what routing it saw
-        self._inflight = InflightTally()
+        self._inflight = InflightTally(RECENT_ROUTE_MAX_S)
 
     # ---- Serve's hooks ---------------------------------------------------------------
 
@@ -145,16 +146,18 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         # Its prompt counts as queued there until it ends or a report taken
         # after now arrives.
         uncached = max(routing.num_tokens - routing.hits.get(replica, 0) * self._policy.block_size, 0)
-        self._inflight.add(pending_request.metadata.internal_request_id, replica, uncached, time.time())
+        now = self._get_curr_time_s()
+        self._inflight.add(pending_request.metadata.internal_request_id, replica, uncached, now)
         if keys:
             self._index.add(replica, keys)
-            self._recent.add(replica, pending_request.metadata.internal_request_id, keys, time.monotonic())
+            self._recent.add(replica, pending_request.metadata.internal_request_id, keys, now)
         if session is not None:
             self._sessions.routed(session, replica)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.ended(internal_request_id)
-        self._recent.ended(internal_request_id, time.time())
+        now = self._get_curr_time_s()
+        self._inflight.ended(internal_request_id, now)
+        self._recent.ended(internal_request_id, now)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -173,17 +176,19 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._loads[rid] = load
         self._inflight.after_report(rid, report_taken_at(report))
         self._index.replace(rid, keys)
-        for routed in self._recent.after_report(rid, report_taken_at(report), time.monotonic()):
+        for routed in self._recent.after_report(rid, report_taken_at(report), self._get_curr_time_s()):
             self._index.add(rid, routed)
 
     def _current_loads(self, replicas: list[str]) -> dict[str, ReplicaLoad]:
-        """Each replica's last report plus what was sent to it since."""
+        """Each replica's last report plus what was sent to it since, less
+        the queued prompts of requests that report counts and that ended."""
         loads = {}
         for replica in replicas:
             load = self._loads.get(replica, ReplicaLoad())
             requests, tokens = self._inflight.load(replica)
             loads[replica] = replace(
-                load, num_waiting=load.num_waiting + requests, num_queued_tokens=load.num_queued_tokens + tokens
+                load, num_waiting=load.num_waiting + requests,
+                num_queued_tokens=max(load.num_queued_tokens + tokens, 0),
             )
         return loads
 
