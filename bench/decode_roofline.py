@@ -155,17 +155,22 @@ def gemm_peak_flops(device: Any, dtype: str) -> float:
 
 
 def weight_bytes_per_step(model_dir: str, dtype: str) -> int:
-    """Parameter bytes a decode step reads (see the module docstring):
-    counted on a meta-device instance of the checkpoint's architecture,
-    so nothing is allocated."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Parameter bytes a decode step reads (see the module docstring): every
+    checkpoint tensor but the input embedding (a step gathers one row of it
+    per sequence), which it reads whole only as the tied output embedding.
+    Counted from the safetensors headers: nothing is loaded and no
+    transformers model is built (its import alone cost more than a smoke
+    run's whole bench)."""
+    import math
 
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    embedding = hf.get_input_embeddings().weight
-    read = [p for p in hf.parameters() if p is not embedding or p is hf.get_output_embeddings().weight]
-    return sum(p.numel() for p in read) * getattr(torch, dtype).itemsize
+    import torch
+
+    from rayvllm.models.loader import checkpoint_spec
+
+    tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
+    spec = checkpoint_spec(model_dir)
+    read = [shape for name, (shape, _) in spec.items() if tied or not name.endswith("embed_tokens.weight")]
+    return sum(math.prod(shape) for shape in read) * getattr(torch, dtype).itemsize
 
 
 class DecodeTimer:
