@@ -3,7 +3,8 @@ once, in order, with its columns kept; greedy, seeded, structured (choice)
 and LoRA rows equal the offline `LLM`'s tokens; an invalid row fails alone
 (or fails the job); a replica whose process is killed mid-job (SIGKILL, by
 pid, once it has admitted a known number of rows) leaves a complete and
-exact output; `embed` equals `LLM.embed`; a replica runs a TP=2 engine on
+exact output; a preprocess runs in the engine stage and a postprocess skips
+failed rows; `embed` equals `LLM.embed`; a replica runs a TP=2 engine on
 Ray; a replica's engine metrics reach Ray's Prometheus endpoint. One shared
 Ray cluster (`ray_local`)."""
 
@@ -104,18 +105,34 @@ def _config(model_dir: Path, engine: dict[str, Any] | None = None, **fields: Any
 
 
 @pytest.fixture(scope="module")
-def generated(
+def generated_job(
     ray_local: None, ordered: None, tiny_model_dir: Path, lora_adapters: dict[str, Path]
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], str]:
     """The rows, one invalid one (id 99) and LORA_ROW, through two replicas
-    that go on after errors."""
+    that go on after errors, with a preprocess and a postprocess; the
+    output rows and the job's stats."""
+
+    # Defined here, so that Ray pickles them by value (the workers cannot import a test module).
+    def _tag_input(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "tag": f"in-{row['id']}"}
+
+    def _count_output(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "tokens_seen": len(row["generated_tokens"])}
+
     rows = [*_rows(), LORA_ROW]
     rows.insert(5, {"id": 99, "prompt_token_ids": [5, 6], "sampling_params": {"max_tokens": 0}})
     config = _config(
         tiny_model_dir, LORA_ENGINE, concurrency=2, should_continue_on_error=True,
         dynamic_lora_loading_path=str(lora_adapters["a"].parent),
     )
-    return build_processor(config)(ray.data.from_items(rows)).take_all()
+    processor = build_processor(config, preprocess=_tag_input, postprocess=_count_output)
+    out = processor(ray.data.from_items(rows)).materialize()
+    return out.take_all(), out.stats()
+
+
+@pytest.fixture(scope="module")
+def generated(generated_job: tuple[list[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    return generated_job[0]
 
 
 def test_every_row_once_in_order_with_its_columns(generated: list[dict[str, Any]]) -> None:
@@ -155,6 +172,19 @@ def test_an_invalid_row_fails_alone(generated: list[dict[str, Any]]) -> None:
     [bad] = [r for r in generated if r[ERROR_COLUMN]]
     assert bad["id"] == 99 and "max_tokens" in bad[ERROR_COLUMN]
     assert bad["generated_tokens"] == [] and bad["prompt_token_ids"] == [5, 6]
+
+
+def test_pre_and_postprocess_run_on_each_row_and_the_preprocess_in_the_feeders(
+    generated_job: tuple[list[dict[str, Any]], str],
+) -> None:
+    """The preprocess reaches every row, the postprocess every row but the
+    failed one; the preprocess runs inside the engine stage (one fused
+    operator), not as a Ray task per input block beside the engine."""
+    rows, stats = generated_job
+    assert [r["tag"] for r in rows] == [f"in-{r['id']}" for r in rows]
+    for row in rows:
+        assert row.get("tokens_seen") == (None if row[ERROR_COLUMN] else len(row["generated_tokens"]))
+    assert "Map(_tag_input)->MapBatches(ReplicaFeeder)" in stats, stats
 
 
 def test_an_invalid_row_fails_the_job_by_default(ray_local: None, tiny_model_dir: Path) -> None:

@@ -1,8 +1,9 @@
 """`build_processor`: a `Processor` that maps a Ray Data `Dataset` through
 engine replicas, as Ray Data LLM's `build_llm_processor` does:
-preprocess (a row map) -> the engine stage (`map_batches` over a pool of
-`ReplicaFeeder`s, each owning one engine replica) -> postprocess (a row
-map that rows with an error skip). Nothing runs until the dataset is
+preprocess (a row map, which Ray Data runs in the engine stage's actors)
+-> the engine stage (`map_batches` over a pool of `ReplicaFeeder`s, each
+owning one engine replica) -> postprocess (a row map that rows with an
+error skip). Nothing runs until the dataset is
 consumed; the replicas live while Ray Data's pool does."""
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ class Processor:
     def __call__(self, dataset: Dataset) -> Dataset:
         config = self.config
         if self.preprocess is not None:
-            dataset = dataset.map(self.preprocess)
+            # Asking for no CPU, as the feeders do, lets Ray Data fuse the
+            # row map into the feeders' stage: each batch is preprocessed in
+            # its feeder on the way to the engine. As a stage of its own it
+            # was one Ray task per input block on the engine's cores (from
+            # `from_items`: a block per 2 rows), and it starved the engine.
+            dataset = dataset.map(self.preprocess, num_cpus=0)
         dataset = dataset.map_batches(
             ReplicaFeeder,
             fn_constructor_kwargs={"config": config},
