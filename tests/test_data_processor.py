@@ -14,6 +14,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -272,6 +274,21 @@ def test_a_tensor_parallel_replica(
     config = _config(tiny_model_dir, engine={"tensor_parallel_size": 2})
     got = build_processor(config)(ray.data.from_items(rows)).take_all()
     assert {r["id"]: r["generated_tokens"] for r in got} == {r["id"]: expected[r["id"]] for r in rows}
+
+
+def test_a_feeder_imports_no_torch() -> None:
+    """What a feeder process loads to take batches and start its replica
+    (the processor, the replica's class, the engine arguments and the
+    parallel layout) leaves torch, and its seconds of import, to the
+    replica that runs the model."""
+    code = (
+        "import sys; from rayvllm.data import EngineProcessorConfig, build_processor; "
+        "import rayvllm.data.feeder, rayvllm.data.replica; "
+        "EngineProcessorConfig(model_source='m', engine_kwargs={'tensor_parallel_size': 2})"
+        ".engine_args().create_parallel_config(); "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 def test_config_maps_to_engine_args() -> None:

@@ -9,22 +9,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rayvllm.config.fields import ArgSpec, config_field
 from rayvllm.config.kv_offload import KVOffloadConfig
 from rayvllm.config.lora import LoRAConfig
 from rayvllm.messages.errors import InvalidParameterError
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+if TYPE_CHECKING:
+    import torch
+
+# The dtype names an engine argument takes, each to torch's name for it.
+# torch is imported only where a dtype is resolved: processes that build
+# configs but run no model (a batch job's feeders, routers) never pay its
+# import.
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 # "auto" picks by device and availability (kernels/backends.py); the
 # environment variable stands in for an "auto" engine argument.
@@ -39,15 +38,17 @@ POOLING_TYPES = ("LAST", "MEAN")
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> torch.dtype:
     """vLLM's rule: "auto" takes the checkpoint's dtype, except float32 stays
     float32 and half types fall back to float32 on CPU where they are slow."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
-        resolved = _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+        resolved = getattr(torch, _DTYPES.get(str(name).removeprefix("torch."), "float32"))
         return torch.float32 if device == "cpu" else resolved
     if dtype not in _DTYPES:
         raise InvalidParameterError("dtype", f"unknown dtype {dtype!r}; expected one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def read_hf_config(model: str) -> dict:
@@ -507,6 +508,8 @@ class EngineConfig:
         """What batch-invariant mode cannot cover yet is refused, not run
         with a silent exception: its kernels are the CPU's float32 ones, and
         LoRA's and speculation's own paths have no fixed-order variant."""
+        import torch
+
         needs = {
             "device='cpu'": self.device == "cpu",
             "dtype float32": self.model_config.dtype == torch.float32,

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -86,6 +85,8 @@ class EngineArgs(
     def resolve_device(self) -> str:
         if self.device != "auto":
             return self.device
+        import torch  # only here: building a config needs no torch (see rayvllm.config)
+
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def _resolve_async_scheduling(self, pc: ParallelConfig) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -83,14 +84,23 @@ def user_arguments(cls: type) -> list[Argument]:
     """The arguments of the fields of dataclass `cls`, in field order
     (fields without a `config_field` are the engine's own, not the user's);
     a default of MISSING: the argument is required."""
-    hints = typing.get_type_hints(cls)
     out: list[Argument] = []
     for f in dataclasses.fields(cls):
         for spec in f.metadata.get(_ARGS, ()):
             default = f.default if spec.default is _FIELD_DEFAULT else spec.default
-            annotation = hints[f.name] if spec.type is None else spec.type
+            annotation = _field_type(cls, f) if spec.type is None else spec.type
             out.append(Argument(spec.name or f.name, annotation, default, spec.help, cls, f.name))
     return out
+
+
+def _field_type(cls: type, f: dataclasses.Field[Any]) -> Any:
+    """Field `f`'s annotation, evaluated in `cls`'s module. One field at a
+    time: `typing.get_type_hints(cls)` would evaluate every field's, and
+    some name a type (`torch.dtype`) imported only for type checkers, so
+    that building a config needs no torch."""
+    if not isinstance(f.type, str):
+        return f.type
+    return eval(f.type, vars(sys.modules[cls.__module__]))  # noqa: S307 - our own annotations
 
 
 def cli_flag(name: str) -> str:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from rayvllm.config.fields import config_field
 from rayvllm.messages.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    import torch
 
 # "native": host memory of each worker (vLLM's CPU offloading); "ray": the
 # Ray object store, shared by every DP rank and replica of the same model.
@@ -74,5 +76,5 @@ def kv_bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
     """Bytes of one block's keys and values over all layers (all ranks of a group)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem

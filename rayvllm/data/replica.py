@@ -20,19 +20,19 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.actors.placement import HOT_PATH_RUNTIME_ENV, deployment_bundles, worker_bundles
-from rayvllm.actors.ray_metrics import RayMetricsExporter
 from rayvllm.data.config import EngineProcessorConfig
 from rayvllm.data.rows import RowStages
-from rayvllm.data.runner import RowRunner
 from rayvllm.messages.errors import EngineDeadError, PlacementError
+
+if TYPE_CHECKING:
+    from rayvllm.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class ReplicaPlacement:
     def __init__(self, config: EngineProcessorConfig) -> None:
         args = config.engine_args()
         parallel = args.create_parallel_config()
-        device = args.resolve_device()
+        device = _placement_device(args.device)
         env = dict(config.runtime_env or {})
         env["env_vars"] = {**HOT_PATH_RUNTIME_ENV["env_vars"], **env.get("env_vars", {})}
         self.options: dict[str, Any] = {"runtime_env": env, "max_restarts": -1, "max_task_retries": 0}
@@ -84,6 +84,16 @@ class ReplicaPlacement:
             self.pg = None
 
 
+def _placement_device(device: str) -> str:
+    """The device a replica's engine will take: `auto` is CUDA where the
+    cluster has GPUs (the engine, placed on a GPU, then finds CUDA). Read
+    from Ray's resources rather than torch's, which a feeder, running no
+    model, never imports."""
+    if device != "auto":
+        return device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
 def start_replica(config: EngineProcessorConfig, placement: ReplicaPlacement) -> Any:
     """A new named replica (not yet answering: its engine builds in its constructor)."""
     name = f"{REPLICA_NAME_PREFIX}{uuid.uuid4().hex[:12]}"
@@ -94,7 +104,14 @@ def start_replica(config: EngineProcessorConfig, placement: ReplicaPlacement) ->
 @ray.remote
 class EngineReplica:
     def __init__(self, config: EngineProcessorConfig, reserved_pg: PlacementGroup | None) -> None:
-        self.engine = async_llm_from_engine_args(config.engine_args(), reserved_pg=reserved_pg)
+        # The engine's modules (torch among them) are imported here, in the
+        # replica's process: the feeders import this module to start
+        # replicas, and they run no model.
+        from rayvllm.actors.factory import async_llm_from_engine_args
+        from rayvllm.actors.ray_metrics import RayMetricsExporter
+        from rayvllm.data.runner import RowRunner
+
+        self.engine: AsyncLLM = async_llm_from_engine_args(config.engine_args(), reserved_pg=reserved_pg)
         self.runner = RowRunner(
             self.engine, RowStages.of(config), config.task_type == "embed", config.max_pending_requests
         )
