@@ -125,7 +125,7 @@ def test_a_routed_request_counts_until_it_ends_or_a_report_taken_after_it() -> N
     """A report taken before a request was routed (however late it arrives)
     leaves the request's tokens counted on its replica; one taken after it
     drops them, as does the request's end or its replica leaving."""
-    tally = InflightTally(max_age_s=300.0)
+    tally = InflightTally(max_age_s=300.0, max_requests=100)
     tally.add("a", "r1", 100, now=10.0)
     tally.add("b", "r1", 40, now=12.0)
     tally.add("c", "r2", 7, now=12.0)
@@ -145,7 +145,7 @@ def test_an_ended_requests_queue_comes_off_the_reports_that_counted_it() -> None
     that then ends takes its tokens off that report's queue, and off a
     report taken before its end that arrives later, until a report taken
     after its end arrives; a report taken before its routing never counted it."""
-    tally = InflightTally(max_age_s=300.0)
+    tally = InflightTally(max_age_s=300.0, max_requests=100)
     tally.add("a", "r1", 100, now=10.0)
     tally.after_report("r1", taken_at=11.0)
     tally.ended("a", at=12.0)
@@ -164,7 +164,7 @@ def test_an_ended_requests_queue_comes_off_the_reports_that_counted_it() -> None
 
 
 def test_a_request_whose_end_never_comes_is_dropped_after_max_age() -> None:
-    tally = InflightTally(max_age_s=300.0)
+    tally = InflightTally(max_age_s=300.0, max_requests=100)
     tally.add("a", "r1", 100, now=10.0)
     tally.after_report("r1", taken_at=20.0)
     assert len(tally) == 1
@@ -172,3 +172,14 @@ def test_a_request_whose_end_never_comes_is_dropped_after_max_age() -> None:
     assert len(tally) == 0
     tally.ended("a", at=312.0)
     assert tally.load("r1") == (0, 0)
+
+
+def test_past_max_requests_the_oldest_request_is_dropped() -> None:
+    """A replica that never reports keeps no more than `max_requests` of the
+    requests sent to it; the oldest go, and their load with them."""
+    tally = InflightTally(max_age_s=300.0, max_requests=2)
+    for i, tokens in enumerate((10, 20, 40)):
+        tally.add(f"r{i}", "a", tokens, now=float(i))
+    assert len(tally) == 2 and tally.load("a") == (2, 60)
+    tally.ended("r0", at=5.0)  # already dropped: nothing changes
+    assert tally.load("a") == (2, 60)

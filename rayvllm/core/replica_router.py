@@ -211,11 +211,13 @@ class InflightTally:
     otherwise outlive it. The reported queue
     is not split by request (the tokens deducted may already have been
     prefilled), so the caller clamps the sum at zero. A request whose end
-    the router never learns is dropped `max_age_s` after it was routed.
+    the router never learns is dropped `max_age_s` after it was routed; past
+    `max_requests` (a replica that never reports) the oldest go first.
     """
 
-    def __init__(self, max_age_s: float) -> None:
+    def __init__(self, max_age_s: float, max_requests: int) -> None:
         self.max_age_s = max_age_s
+        self.max_requests = max_requests
         self._sent: dict[str, dict[str, _Sent]] = {}  # replica -> request id -> sent
         self._replica_of: dict[str, str] = {}  # request id -> replica
         self._report_at: dict[str, float] = {}  # replica -> when its last report was taken
@@ -226,6 +228,11 @@ class InflightTally:
         self._sent.setdefault(replica, {})[request] = sent
         self._replica_of[request] = replica
         self._count(replica, sent, 1)
+        while len(self._replica_of) > self.max_requests:
+            oldest = next(iter(self._replica_of))
+            held_by = self._replica_of[oldest]
+            self._count(held_by, self._sent[held_by][oldest], -1)
+            self._drop(held_by, oldest)
 
     def ended(self, request: str, at: float) -> None:
         """`request` ended at wall-clock time `at` (unknown ids and a second end are ignored)."""

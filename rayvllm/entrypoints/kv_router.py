@@ -54,8 +54,9 @@ from rayvllm.messages.block_hash import full_block_routing_keys, num_hit_blocks
 
 # Sessions remembered (least recently used go first).
 MAX_SESSIONS = 65536
-# Requests whose routing waits for Serve's word on where they went; one
-# cancelled before it was routed never gets it, so the oldest go first.
+# Requests whose routing waits for Serve's word on where they went (one
+# cancelled before it was routed never gets it), and requests the load
+# tally keeps: past it, the oldest go first.
 MAX_PENDING_ROUTINGS = 65536
 # RecentRoutes: how far two nodes' clocks may differ; it and InflightTally:
 # how long a request whose end the router never learns is kept.
@@ -92,7 +93,7 @@ class KVAwareRequestRouter(MultiplexMixin, RequestRouter):
         self._recent = RecentRoutes(REPORT_CLOCK_SKEW_S, RECENT_ROUTE_MAX_S)
         self._sessions = SessionTable(MAX_SESSIONS)
         self._routing: OrderedDict[str, _Routing] = OrderedDict()  # internal request id -> what routing it saw
-        self._inflight = InflightTally(RECENT_ROUTE_MAX_S)
+        self._inflight = InflightTally(RECENT_ROUTE_MAX_S, MAX_PENDING_ROUTINGS)
 
     # ---- Serve's hooks ---------------------------------------------------------------
 
