@@ -680,3 +680,21 @@ def test_prompt_logprobs_stay_on_the_logits_device(num_top: int) -> None:
     assert lists.logprob_token_ids == [[1, 2, 1][: num_top + 1], [1, 0, 1][: num_top + 1]]
     assert lists.logprobs[0][0] == pytest.approx(expected[0, 1].item())
     assert lists.ranks == [2, 2]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("top", [{}, {"top_k": 3}, {"top_p": 0.9}, {"min_p": 0.1}])
+def test_extreme_repetition_penalties_sample_a_seen_or_unseen_token_not_fail(method: str, top: dict) -> None:
+    """A repetition penalty of ~0 divides a seen token's positive logit past
+    float32's range (+inf, and inf - inf = NaN in the sampling after), one
+    of ~inf multiplies a zero logit into NaN: a fuzzed request's penalty
+    ended the engine this way. The seen tokens with positive logits win
+    outright at ~0 (as their logits tend to infinity), and a huge penalty
+    leaves a zero logit at zero."""
+    logits = torch.tensor([[2.0, 3.0, 0.0, 1.0, -1.0, 0.5]] * 2)
+    tiny = state(SamplingParams(temperature=0.7, repetition_penalty=1e-300, **top), prompt=[0, 1, 4], seed=1)
+    huge = state(SamplingParams(temperature=0.7, repetition_penalty=1e300, **top), prompt=[2, 4], seed=2)
+    for _ in range(20):
+        ids, _, _ = run(logits, [tiny, huge], method)
+        assert int(ids[0]) in (0, 1)  # the two seen positive logits, both pushed to the top of the range
+        assert 0 <= int(ids[1]) < 6 and int(ids[1]) != 4  # -1 * ~inf is masked; 0 * ~inf stays 0

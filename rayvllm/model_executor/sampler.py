@@ -328,7 +328,8 @@ class Sampler:
             assert md.repetition_token_ids is not None and md.repetition_penalties is not None
             idx = (md.repetition_rows.to(dev), md.repetition_token_ids.to(dev))
             seen = logits[idx]
-            pen = md.repetition_penalties.to(dev)
+            # A penalty past float range (inf) would make 0 * inf = NaN of a zero logit.
+            pen = md.repetition_penalties.to(dev).clamp(max=torch.finfo(logits.dtype).max)
             # HF/vLLM rule: a seen token moves toward "less likely" whatever
             # its sign, so positive logits shrink and negative ones grow.
             logits[idx] = torch.where(seen > 0, seen / pen, seen * pen)
@@ -382,6 +383,11 @@ class Sampler:
 
         if md.temperature is not None:
             work.div_(md.temperature.to(dev).unsqueeze(1))
+        if md.repetition_rows is not None:
+            # A penalty near 0 divides a seen logit past float range, and the
+            # temperature can again: +inf would turn into inf - inf = NaN in
+            # the steps below. The largest finite value keeps the order.
+            work.clamp_(max=torch.finfo(work.dtype).max)
         if md.min_p is not None:
             # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p);
             # the logit form needs no softmax. min_p = 0 gives -inf: no-op.
