@@ -698,3 +698,17 @@ def test_extreme_repetition_penalties_sample_a_seen_or_unseen_token_not_fail(met
         ids, _, _ = run(logits, [tiny, huge], method)
         assert int(ids[0]) in (0, 1)  # the two seen positive logits, both pushed to the top of the range
         assert 0 <= int(ids[1]) < 6 and int(ids[1]) != 4  # -1 * ~inf is masked; 0 * ~inf stays 0
+
+
+def test_a_candidate_row_without_a_finite_top_takes_its_top_candidate() -> None:
+    """Rows whose candidates are all -inf or NaN (CI's fuzzed requests
+    reached one; how is not found yet) sample their first candidate; before,
+    the index was -1 and the step failed, ending the engine."""
+    nan, inf = float("nan"), float("inf")
+    groups = _Candidates(
+        rows=None,
+        values=torch.tensor([[NEG_INF, NEG_INF], [nan, 1.0], [inf, inf], [2.0, 1.0]]),
+        token_ids=torch.tensor([[7, 8], [5, 6], [3, 4], [1, 2]]),
+        n_keep=torch.tensor([2, 2, 2, 1]),
+    )
+    assert groups.sample(torch.tensor([0.5, 0.5, 0.5, 0.99], dtype=torch.float64)).tolist() == [7, 5, 3, 1]

@@ -572,8 +572,11 @@ class _Candidates:
         j = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         # Only u * total rounding up to total can overshoot; the answer is
         # then the last column with positive weight (weights are sorted, so
-        # those form a prefix; min_p may have zeroed some kept columns).
-        j = torch.minimum(j, (weights > 0).sum(-1) - 1)
+        # those form a prefix; min_p may have zeroed some kept columns). A
+        # row without one (its top logit not finite, which a finite forward
+        # and bounded processing never give) takes its top candidate rather
+        # than index column -1 and end the engine for every request.
+        j = torch.minimum(j, (weights > 0).sum(-1) - 1).clamp_(min=0)
         return self.token_ids.gather(1, j.unsqueeze(1)).squeeze(1)
 
 
