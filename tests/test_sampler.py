@@ -700,7 +700,7 @@ def test_extreme_repetition_penalties_sample_a_seen_or_unseen_token_not_fail(met
         assert 0 <= int(ids[1]) < 6 and int(ids[1]) != 4  # -1 * ~inf is masked; 0 * ~inf stays 0
 
 
-def test_a_candidate_row_without_a_finite_top_takes_its_top_candidate() -> None:
+def test_a_candidate_row_without_a_finite_top_takes_its_top_candidate(caplog: pytest.LogCaptureFixture) -> None:
     """Rows whose candidates are all -inf or NaN (CI's fuzzed requests
     reached one; how is not found yet) sample their first candidate; before,
     the index was -1 and the step failed, ending the engine."""
@@ -712,3 +712,4 @@ def test_a_candidate_row_without_a_finite_top_takes_its_top_candidate() -> None:
         n_keep=torch.tensor([2, 2, 2, 1]),
     )
     assert groups.sample(torch.tensor([0.5, 0.5, 0.5, 0.99], dtype=torch.float64)).tolist() == [7, 5, 3, 1]
+    assert "without a finite top candidate" in caplog.text  # said, not silent

@@ -26,6 +26,7 @@ on its own row index.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -34,6 +35,8 @@ import torch
 
 from rayvllm.messages.engine_types import LogprobsTensors
 from rayvllm.model_executor.sampling_metadata import SamplingMetadata
+
+logger = logging.getLogger(__name__)
 
 SamplingMethod = Literal["auto", "inverse_cdf", "exponential_race"]
 
@@ -576,7 +579,13 @@ class _Candidates:
         # row without one (its top logit not finite, which a finite forward
         # and bounded processing never give) takes its top candidate rather
         # than index column -1 and end the engine for every request.
-        j = torch.minimum(j, (weights > 0).sum(-1) - 1).clamp_(min=0)
+        n_positive = (weights > 0).sum(-1)
+        if bool((n_positive == 0).any()):
+            logger.warning(
+                "sampling rows without a finite top candidate (top logits %s); each takes its top candidate",
+                vals[n_positive == 0, 0].tolist(),
+            )
+        j = torch.minimum(j, n_positive - 1).clamp_(min=0)
         return self.token_ids.gather(1, j.unsqueeze(1)).squeeze(1)
 
 
