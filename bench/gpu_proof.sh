@@ -140,8 +140,10 @@ pytest_step() {
     if [ "$HAVE_PYTEST" != 1 ]; then skip "$name" "pytest is not installed"; return; fi
     local log=$RAW/logs/$name.log
     # The project's addopts (two xdist workers for the suite) stay out: the
-    # GPU machine may lack xdist, and a step picks its own -n.
-    run_limited "$name" "$limit" "$log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -o addopts= "$file" "$@" \
+    # GPU machine may lack xdist, and a step picks its own -n. No step's
+    # tests use hypothesis, whose plugin takes a second to import.
+    run_limited "$name" "$limit" "$log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -p no:hypothesispytest \
+        -o addopts= "$file" "$@" \
         || return
     # pytest's last line: "3 passed, 2 skipped in 4.1s" (or "no tests ran").
     local counts status
@@ -346,11 +348,17 @@ roofline() {
 # The essentials, one at a time, each reported as it ends: greedy parity
 # (float32, bf16 tolerance, the host KV tier, n-gram speculation), the
 # decode roofline at batch 64 with CUDA graphs, throughput against
-# transformers. Under 5 minutes with setup. A smoke run times nothing, so
-# there every step runs at once (`ordered` backgrounds it) and the report
-# comes at the end.
+# transformers. Under 5 minutes with setup. A smoke run (CI) runs every
+# step one at a time too: it shares two cores with the rest of the suite,
+# where steps side by side only cost more CPU in all; its report comes at
+# the end.
 ordered() {
-    if [ "$SMOKE" = 1 ]; then "$@" & else "$@"; report; fi
+    "$@"
+    [ "$SMOKE" = 1 ] || report
+}
+# side STEP...: the test files run side by side on the GPU machine's cores.
+side() {
+    if [ "$SMOKE" = 1 ]; then "$@"; else "$@" & fi
 }
 if [ "$ENGINE_OK" = 1 ]; then
     ordered pytest_step gpu-parity 90 tests/test_gpu_parity.py "${XDIST_PARITY[@]}"
@@ -367,12 +375,12 @@ fi
 
 # Then the other tests, side by side (none times anything; together they
 # take what the slowest takes), and the remaining benches alone.
-pytest_step kernels 120 tests/test_triton_kernels.py tests/test_triton_fused.py "${XDIST_KERNELS[@]}" "${K_KERNELS[@]}" &
+side pytest_step kernels 120 tests/test_triton_kernels.py tests/test_triton_fused.py "${XDIST_KERNELS[@]}" "${K_KERNELS[@]}"
 if [ "$ENGINE_OK" = 1 ]; then
-    pytest_step attention-backends 120 tests/test_attention_backends.py "${K_BACKENDS[@]}" &
-    pytest_step cuda-graph 120 tests/test_cuda_graph.py "${K_GRAPHS[@]}" &
-    pytest_step gpu-setup 120 tests/test_gpu_setup.py "${K_SETUP[@]}" &
-    pytest_step ray-free 90 tests/test_ray_free.py &
+    side pytest_step attention-backends 120 tests/test_attention_backends.py "${K_BACKENDS[@]}"
+    side pytest_step cuda-graph 120 tests/test_cuda_graph.py "${K_GRAPHS[@]}"
+    side pytest_step gpu-setup 120 tests/test_gpu_setup.py "${K_SETUP[@]}"
+    side pytest_step ray-free 90 tests/test_ray_free.py
 else
     for name in attention-backends cuda-graph gpu-setup ray-free; do skip "$name" "$ENGINE_WHY"; done
 fi
