@@ -96,6 +96,37 @@ def test_parallel_greedy_parity(ray_local: None, models: dict[str, Path], name: 
         assert tokens == hf_greedy(model_dir, prompt)[0]
 
 
+def _seeded_params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=NUM_NEW, ignore_eos=True)
+            for i in range(n)]
+
+
+def test_tensor_parallel_async_scheduling_matches_one_process(ray_local: None, models: dict[str, Path]) -> None:
+    """TP=2 under async scheduling: the scheduler sends no sampled tokens,
+    TP rank 1 takes each step's from rank 0's broadcast. Greedy and seeded
+    tokens equal the single-process engine's, through chunked prefill and
+    preemption."""
+    model_dir = models["llama-gqa"]
+    prompts = _prompts()
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm = LLM(str(model_dir), **ENGINE, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert llm.llm_engine.config.scheduler_config.async_scheduling
+        got = _greedy(llm, prompts)
+        seeded = [o.outputs[0].token_ids for o in llm.generate(requests, _seeded_params(len(prompts)), use_tqdm=False)]
+        stats = llm.llm_engine.engine_core.make_stats()
+    finally:
+        llm.shutdown()
+    single = LLM(str(model_dir), **ENGINE)
+    try:
+        want = [o.outputs[0].token_ids for o in single.generate(requests, _seeded_params(len(prompts)), use_tqdm=False)]
+    finally:
+        single.shutdown()
+    assert stats.num_preemptions > 0
+    assert got == _single_process(model_dir)
+    assert seeded == want
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path], async_scheduling: bool) -> None:
     """The SchedulerActor's loop steps on its own and pushes outputs (with

@@ -159,8 +159,8 @@ def test_half_precision_logprobs_close_to_float32_reference(tiny_model_dir: Path
 
 def test_async_scheduling_defaults_by_executor(tiny_model_dir: Path) -> None:
     """On where a step can overlap the next one's scheduling (the Ray path
-    with single-rank groups), off in-process; asking for it with ranks that
-    do not sample is an error naming the field."""
+    with single-rank groups), off in-process; with tensor parallelism on
+    request; asking for it with pipeline stages is an error naming the field."""
     from rayvllm.config.engine_args import EngineArgs
 
     def resolved(**kw: object) -> bool:
@@ -170,6 +170,7 @@ def test_async_scheduling_defaults_by_executor(tiny_model_dir: Path) -> None:
     assert resolved(distributed_executor_backend="ray") is True
     assert resolved(data_parallel_size=2) is True
     assert resolved(tensor_parallel_size=2) is False
+    assert resolved(tensor_parallel_size=2, async_scheduling=True) is True
     assert resolved(async_scheduling=True) is True
     assert resolved(distributed_executor_backend="ray", async_scheduling=False) is False
     with pytest.raises(InvalidParameterError, match="async_scheduling"):

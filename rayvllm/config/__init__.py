@@ -260,7 +260,9 @@ class SchedulerConfig:
     # scheduled against the token step k will sample); see Scheduler.
     async_scheduling: bool = config_field(
         "schedule step k+1 while step k runs on the workers; unset: on with the Ray runtime and one rank "
-        "per worker group (the loop would otherwise leave the worker idle while it schedules), off in-process",
+        "per worker group (the loop would otherwise leave the worker idle while it schedules), off in-process "
+        "and with tensor parallelism (on request there: TP rank 0 hands each step's tokens to its group); "
+        "not with pipeline stages",
         False, arg_type=bool | None, arg_default=None,
     )
 

@@ -92,12 +92,11 @@ class EngineArgs(
     def _resolve_async_scheduling(self, pc: ParallelConfig) -> bool:
         if self.async_scheduling is None:
             return pc.use_ray and pc.world_size == 1
-        if self.async_scheduling and pc.world_size > 1:
-            # Ranks that do not sample learn each step's input tokens from
-            # the scheduler, which under async scheduling does not have them yet.
-            raise InvalidParameterError(
-                "async_scheduling", "needs tensor_parallel_size == pipeline_parallel_size == 1"
-            )
+        if self.async_scheduling and pc.pipeline_parallel_size > 1:
+            # Under async scheduling the scheduler does not have a step's
+            # sampled tokens when it schedules the next; TP ranks get them
+            # from their driver, but a first stage has no path from the last.
+            raise InvalidParameterError("async_scheduling", "needs pipeline_parallel_size == 1")
         return self.async_scheduling
 
     def resolve_attention_backend(self) -> str:

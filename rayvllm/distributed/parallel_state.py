@@ -42,7 +42,9 @@ class ParallelContext:
     @property
     def is_driver(self) -> bool:
         """The one rank that samples: TP rank 0 of the last stage. Every
-        other rank learns sampled tokens from the next SchedulerOutput."""
+        other rank learns sampled tokens from the next SchedulerOutput, or
+        under async scheduling (no pipeline stages) from this rank's
+        `tp_share_new_tokens` at the end of the step."""
         return self.is_last_stage and self.tp_rank == 0
 
     @property
@@ -73,6 +75,33 @@ def tp_gather_to_driver(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor |
         return torch.cat(parts, dim=-1)
     dist.gather(x, None, group=ctx.tp_group, group_dst=0)
     return None
+
+
+def tp_share_new_tokens(
+    counts: list[int] | None, tokens: list[int] | None, n: int, device: torch.device, ctx: ParallelContext
+) -> tuple[list[int], list[int]]:
+    """The tokens the driver appended this step to each of its `n` scheduled
+    requests (`counts[i]` of them, flat in `tokens`), from TP rank 0 to the
+    group (on `device`, the group's backend's): the driver passes its lists,
+    the others None. A count of -1 for every request means the driver's
+    step failed and appended nothing."""
+    assert ctx.tp_size > 1
+    if ctx.tp_rank == 0:
+        assert counts is not None and tokens is not None and len(counts) == n
+        head = torch.tensor(counts, dtype=torch.int64, device=device)
+    else:
+        head = torch.empty(n, dtype=torch.int64, device=device)
+    dist.broadcast(head, group=ctx.tp_group, group_src=0)
+    got_counts: list[int] = head.tolist()
+    total = sum(c for c in got_counts if c > 0)
+    if total == 0:
+        return got_counts, []
+    if ctx.tp_rank == 0:
+        body = torch.tensor(tokens, dtype=torch.int64, device=device)
+    else:
+        body = torch.empty(total, dtype=torch.int64, device=device)
+    dist.broadcast(body, group=ctx.tp_group, group_src=0)
+    return got_counts, body.tolist()
 
 
 def send_to_next_stage(hidden: torch.Tensor, residual: torch.Tensor, ctx: ParallelContext) -> None:

@@ -138,7 +138,8 @@ class EngineCore:
         return Scheduler(
             self.config.scheduler_config,
             self.config.cache_config,
-            send_token_ids=pc.world_size > 1,
+            # Under async scheduling TP rank 0 hands them to its group instead.
+            send_token_ids=pc.world_size > 1 and not self.config.scheduler_config.async_scheduling,
             max_inflight_steps=self.max_inflight,
             listener=ListenerFanout(*listeners) if len(listeners) > 1 else (listeners[0] if listeners else None),
             kv_tier=create_kv_tier(self.config, index.tier_listener(rank) if index is not None else None),

@@ -30,6 +30,7 @@ from rayvllm.distributed.parallel_state import (
     ParallelContext,
     recv_from_prev_stage,
     send_to_next_stage,
+    tp_share_new_tokens,
 )
 from rayvllm.kernels import cpu_attention, cpu_gemm
 from rayvllm.kernels.backends import select_attention_backend
@@ -75,7 +76,9 @@ class ModelRunner:
     """One rank's runner. Under tensor/pipeline parallelism every rank of a
     group runs `execute_model` on the same SchedulerOutput; only the driver
     rank (`ParallelContext.is_driver`) samples and returns tokens, the others
-    return an empty output and append the tokens the scheduler sends back.
+    return an empty output and append the tokens the scheduler sends back
+    (under async scheduling: the tokens the driver hands them at the end of
+    the step, see `shares_tokens`).
     `extensions` are the features this rank runs (see extension.py), called
     in their order at every hook."""
 
@@ -98,6 +101,9 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.extensions = list(extensions)
+        # Under async scheduling the scheduler sends no sampled tokens (it
+        # has not seen them yet): TP rank 0 hands each step's to its group.
+        self.shares_tokens = config.scheduler_config.async_scheduling and self.parallel.tp_size > 1
         # A pooling runner returns vectors and never computes logits.
         pooler_config = self.model_config.pooler_config
         self.pooler = Pooler(pooler_config) if pooler_config is not None else None
@@ -553,14 +559,41 @@ class ModelRunner:
             rows = np.concatenate([rows, *(np.arange(plan.cu_q[i], plan.cu_q[i + 1]) for i in verify_idx)])
         logits = self.model.compute_logits(hidden.index_select(0, self._to_device(torch.from_numpy(rows))))
         if logits is None:  # a TP rank that only contributed its vocabulary shard
+            if self.shares_tokens:
+                self._append_shared_tokens(plan.states)
             return ModelRunnerOutput([], [], None, {})
+        if not self.shares_tokens:
+            return self._sample_step(plan, sampled_states, verify_idx, drafts, logits, prompt_logprobs)
+        before = [len(s.output_token_ids) for s in plan.states]
+        try:
+            output = self._sample_step(plan, sampled_states, verify_idx, drafts, logits, prompt_logprobs)
+        except BaseException:
+            # The group waits for this step's tokens: tell it there are none.
+            tp_share_new_tokens([-1] * len(before), [], len(before), self.device, self.parallel)
+            raise
+        counts = [len(s.output_token_ids) - b for s, b in zip(plan.states, before)]
+        tokens = [t for s, b in zip(plan.states, before) for t in s.output_token_ids[b:]]
+        tp_share_new_tokens(counts, tokens, len(before), self.device, self.parallel)
+        return output
+
+    def _sample_step(
+        self,
+        plan: _StepPlan,
+        sampled_states: list[CachedRequestState],
+        verify_idx: list[int],
+        drafts: dict[str, list[int]],
+        logits: torch.Tensor,
+        prompt_logprobs: dict[str, LogprobsLists],
+    ) -> ModelRunnerOutput:
+        """The driver's end of a step: the extensions' logits hooks, sampling
+        (tokens appended to the batch) and the extensions' after-sample hooks."""
         verify_states = [plan.states[i] for i in verify_idx]
         logits_ctx = LogitsContext(logits, sampled_states, verify_states, drafts)
         for ext in self.extensions:
             ext.before_sample(logits_ctx)
         token_ids: list[int] = []
         logprobs = None
-        if sample_idx:
+        if sampled_states:
             token_ids, logprobs = self._sample(logits_ctx.sampling_logits, sampled_states)
         batch = self.input_batch
         sample = SampleContext(
@@ -572,6 +605,16 @@ class ModelRunner:
         return ModelRunnerOutput(
             [s.req_id for s in sampled_states], token_ids, logprobs, prompt_logprobs, spec_decode=sample.spec_decode
         )
+
+    def _append_shared_tokens(self, states: list[CachedRequestState]) -> None:
+        """A non-driver TP rank's batch takes the tokens the driver appended
+        this step, so both build the next step's inputs alike."""
+        counts, tokens = tp_share_new_tokens(None, None, len(states), self.device, self.parallel)
+        at = 0
+        for state, count in zip(states, counts):
+            for token in tokens[at : at + max(count, 0)]:
+                self.input_batch.append_token(state, token)
+            at += max(count, 0)
 
     def _sample(
         self, logits: torch.Tensor, sampled_states: list[CachedRequestState]
