@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,34 @@ def test_the_tokenizer_is_auto_tokenizers(model_dirs: dict[str, Path], name: str
         assert ours.encode(text) == ids
         assert ours.decode(ids) == auto.decode(ids)
         assert ours.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+
+
+def test_transformers_tables_read_from_its_source_equal_its_own() -> None:
+    """The two tables `_is_plain_backend` needs, parsed from transformers'
+    source, are the ones its module holds: every model type (or name) whose
+    class it overrides, and every model type it maps to MistralCommonBackend
+    (plus those it maps there only with mistral_common installed)."""
+    from transformers.models.auto.tokenization_auto import (
+        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+        TOKENIZER_MAPPING_NAMES,
+    )
+
+    from rayvllm.utils.tokenizer import _auto_tokenizer_exceptions
+
+    overridden, mistral = _auto_tokenizer_exceptions()
+    assert overridden == frozenset(MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
+    assert {k for k, v in TOKENIZER_MAPPING_NAMES.items() if v == "MistralCommonBackend"} <= mistral
+    assert mistral and mistral <= set(TOKENIZER_MAPPING_NAMES)
+
+
+def test_a_plain_directory_loads_without_transformers_model_index(model_dirs: dict[str, Path]) -> None:
+    """In a fresh process, loading the demo model's tokenizer leaves
+    `transformers.models.auto` unimported (its import indexes every model)."""
+    script = (
+        "import sys; from rayvllm.utils.tokenizer import get_tokenizer; get_tokenizer(sys.argv[1]); "
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.models')))"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(model_dirs["demo"])], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

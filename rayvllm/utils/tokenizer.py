@@ -9,6 +9,8 @@ tokenizer names only one.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -82,19 +84,76 @@ def _is_plain_backend(directory: Path) -> bool:
         return False
     if tokenizer_config.get("tokenizer_class") not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
         return False
+    overridden, mistral = _auto_tokenizer_exceptions()
+    model_type, model_name = model_config.get("model_type"), model_config.get("model_name")
+    return (
+        isinstance(model_type, str)
+        and model_type not in overridden
+        and not (isinstance(model_name, str) and model_name in overridden)
+        and model_type not in mistral
+    )
+
+
+def _auto_tokenizer_exceptions() -> tuple[frozenset[str], frozenset[str]]:
+    """The model types (and names) whose declared tokenizer class
+    `AutoTokenizer` overrides, and those it may load as
+    `MistralCommonBackend`: transformers' two tables, read from the source
+    of `transformers.models.auto.tokenization_auto`. Importing that module
+    builds transformers' index of every model (over a second of CPU on each
+    front end's start); its tables are literals, so parsing the file gives
+    them. A mapping entry that names `MistralCommonBackend` anywhere counts
+    (which one applies depends on an optional package). Falls back to the
+    import when the file is not in that shape."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.origin is not None:
+        source = Path(spec.origin).parent / "models" / "auto" / "tokenization_auto.py"
+        try:
+            tables = _parse_auto_tokenizer_tables(source.read_text())
+        except (OSError, SyntaxError, ValueError):
+            tables = None
+        if tables is not None:
+            return tables
     from transformers.models.auto.tokenization_auto import (
         MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
         TOKENIZER_MAPPING_NAMES,
     )
 
-    model_type, model_name = model_config.get("model_type"), model_config.get("model_name")
-    overridden = MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
-    return (
-        isinstance(model_type, str)
-        and model_type not in overridden
-        and not (isinstance(model_name, str) and model_name in overridden)
-        and TOKENIZER_MAPPING_NAMES.get(model_type) != "MistralCommonBackend"
+    return frozenset(MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), frozenset(
+        k for k, v in TOKENIZER_MAPPING_NAMES.items() if v == "MistralCommonBackend"
     )
+
+
+def _parse_auto_tokenizer_tables(text: str) -> tuple[frozenset[str], frozenset[str]] | None:
+    overridden: frozenset[str] | None = None
+    mistral: set[str] | None = None
+    for node in ast.parse(text).body:
+        target, value = _assignment(node)
+        if target == "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS":
+            if not isinstance(value, ast.Set):
+                return None
+            overridden = frozenset(ast.literal_eval(value))
+        elif target == "TOKENIZER_MAPPING_NAMES" and value is not None:
+            mistral = set()
+            for entry in ast.walk(value):
+                if not (isinstance(entry, ast.Tuple) and len(entry.elts) == 2):
+                    continue
+                key = entry.elts[0]
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and any(
+                    isinstance(n, ast.Constant) and n.value == "MistralCommonBackend" for n in ast.walk(entry.elts[1])
+                ):
+                    mistral.add(key.value)
+    if overridden is None or mistral is None or not all(isinstance(t, str) for t in overridden):
+        return None
+    return overridden, frozenset(mistral)
+
+
+def _assignment(node: ast.stmt) -> tuple[str | None, ast.expr | None]:
+    """(name, value) of a module-level `name = value` or `name: T = value`."""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        return node.targets[0].id, node.value
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return node.target.id, node.value
+    return None, None
 
 
 def _as_id_list(value: object) -> list[int]:
