@@ -15,7 +15,7 @@ from typing import Any
 from rayvllm.config import EngineConfig
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
-from rayvllm.engine.core_client import EngineCoreClient, InprocClient
+from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.llm_engine import LLMEngine
 from rayvllm.messages.errors import InvalidParameterError
 
@@ -49,6 +49,7 @@ def make_engine_core(
             "placement_group", "needs the Ray backend (distributed_executor_backend='ray' or a parallel size above 1)"
         )
     from rayvllm.actors.executor_factory import create_executor
+    from rayvllm.engine.inproc_client import InprocClient
 
     return InprocClient(config, lambda dp_rank: create_executor(config, dp_rank), threaded)
 

@@ -31,7 +31,8 @@ from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
 from rayvllm.messages.outputs import RequestOutputKind
-from rayvllm.distributed.weight_transfer import HostWeights, TransferGroup, WeightUpdateInfo
+from rayvllm.distributed.weight_transfer import HostWeights, TransferGroup
+from rayvllm.messages.weight_update import WeightUpdateInfo
 from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 from rayvllm.utils.network import free_port
 

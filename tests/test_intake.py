@@ -218,7 +218,7 @@ def test_without_an_intake_the_core_fills_first(async_scheduling: bool) -> None:
 def test_the_inproc_client_drives_the_core_through_its_loop_on_a_thread() -> None:
     """In-process, the same loop as on the SchedulerActor owns the core, on
     a thread: the client only sends inputs and reads what was pushed."""
-    from rayvllm.engine.core_client import InprocClient
+    from rayvllm.engine.inproc_client import InprocClient
 
     _, ex = make_core(async_scheduling=False)
     client = InprocClient(ex.config, lambda rank: ex)
@@ -240,7 +240,7 @@ def test_the_offline_client_turns_the_same_loop_on_the_callers_thread() -> None:
     """`threaded=False` (the offline engine): no loop thread; each `step`
     runs one turn of the loop here (inputs taken, one core step, its push),
     and an idle loop returns nothing rather than waiting for a push."""
-    from rayvllm.engine.core_client import InprocClient
+    from rayvllm.engine.inproc_client import InprocClient
 
     _, ex = make_core(async_scheduling=False)
     client = InprocClient(ex.config, lambda rank: ex, threaded=False)

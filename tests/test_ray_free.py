@@ -23,7 +23,7 @@ class _NoRay:
 sys.meta_path.insert(0, _NoRay())
 
 from rayvllm import LLM, SamplingParams
-from rayvllm.engine.core_client import InprocClient
+from rayvllm.engine.inproc_client import InprocClient
 
 llm = LLM(model=sys.argv[1], max_num_seqs=4, max_model_len=256, kv_cache_memory_bytes=8 << 20)
 assert isinstance(llm.llm_engine.engine_core, InprocClient)

@@ -378,7 +378,8 @@ RL_ROUTES = ["/reset_prefix_cache", "/init_weight_transfer_engine", "/start_weig
 def _http_sync(weights: dict[str, Any]) -> None:
     """A trainer in this process (rank 0 of a gloo group on a free port)
     drives the replica's engine through the four weight-transfer routes."""
-    from rayvllm.distributed.weight_transfer import TransferGroup, WeightUpdateInfo
+    from rayvllm.distributed.weight_transfer import TransferGroup
+    from rayvllm.messages.weight_update import WeightUpdateInfo
     from rayvllm.utils.network import free_port
 
     port = free_port()

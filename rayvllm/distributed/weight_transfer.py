@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.weight_update import WeightUpdateInfo, dtype_name
 
 # `ray`: the trainer puts the weights in the object store once and every
 # worker fetches them itself (no process group).
@@ -41,11 +42,6 @@ def check_transfer_backend(backend: str) -> None:
         raise InvalidParameterError("backend", f"must be one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}, got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise InvalidParameterError("backend", "nccl needs CUDA, which this process does not have; use gloo or ray")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float32` -> "float32" (vLLM's `dtype_names`)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -97,31 +93,6 @@ class HostWeights:
                 view = self.bit_views.get(name)
                 out[name] = tensor if view is None else tensor.view(dtype_of(view))
         return out
-
-
-@dataclass(frozen=True)
-class WeightUpdateInfo:
-    """What one `update_weights` chunk carries over a process group (vLLM's
-    `update_info`): the HF names, dtypes and shapes of the tensors the
-    trainer broadcasts next, in that order."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    def __post_init__(self) -> None:
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise InvalidParameterError(
-                "update_info",
-                f"names, dtype_names and shapes differ in length ({len(self.names)}, "
-                f"{len(self.dtype_names)}, {len(self.shapes)})",
-            )
-
-    @staticmethod
-    def of(weights: Mapping[str, torch.Tensor]) -> "WeightUpdateInfo":
-        return WeightUpdateInfo(
-            list(weights), [dtype_name(t.dtype) for t in weights.values()], [list(t.shape) for t in weights.values()]
-        )
 
 
 class TransferGroup:

@@ -24,7 +24,6 @@ from typing import Any
 
 from rayvllm.config import EngineConfig
 from rayvllm.core.replica_router import ReplicaLoad, encode_report
-from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.engine.weight_sync import sync_weights
@@ -40,6 +39,7 @@ from rayvllm.messages.pooling_params import PoolingParams
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.weight_update import WeightUpdateInfo
 from rayvllm.utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,12 @@ caller turns the last one into text. Stats ride along with every push;
 `make_stats` costs no round trip. A new request's full data goes out once;
 the loop's steps then send the workers deltas.
 
-`InprocClient` runs the loop in this process over a local pipe (on a
-thread of its own, or turn by turn on the offline caller's thread); the Ray client (rayvllm.actors) runs it in a SchedulerActor over a
-socket. Which one is built is decided above this package and injected.
+`InprocClient` (inproc_client.py) runs the loop in this process over a
+local pipe (on a thread of its own, or turn by turn on the offline
+caller's thread); the Ray client (rayvllm.actors) runs it in a
+SchedulerActor over a socket. Which one is built is decided above this
+package and injected. This module imports neither torch nor the core, so
+a front end whose core runs elsewhere loads neither.
 """
 
 from __future__ import annotations
@@ -24,13 +27,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from rayvllm.config import EngineConfig
-from rayvllm.engine.core_loop import EngineCoreLoop
-from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine.local_pipe import CoreConnection, local_pipe
-from rayvllm.executor.base import ExecutorFactory
+from rayvllm.engine.local_pipe import CoreConnection
 from rayvllm.messages.engine_types import (
     AbortRequests,
     AddRequests,
@@ -272,94 +270,3 @@ class EngineCoreClient(ABC):
         prefix, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
         offload, self._offload_stats = self._offload_stats, None
         return dataclasses.replace(self._stats, prefix_cache_stats=prefix, kv_offload_stats=offload, block_events=None)
-
-
-class InprocClient(EngineCoreClient):
-    """The core and its loop in this process, over a local pipe.
-    `engine_core` (vLLM's name) is the core, for tests and tools to
-    inspect; only the loop's thread changes it.
-
-    `threaded`: the loop runs on a thread of its own (the serving engine,
-    whose event loop must never wait for a step). Otherwise `step` runs one
-    turn of the same loop on the caller's thread (the offline engine, whose
-    caller waits for every step anyway: a second thread there only takes
-    the GIL and a core from the forward; docs/BENCHMARKS.md)."""
-
-    # The core shares this process: what ended it is no worker's fault
-    # that a new one would escape.
-    can_restart = False
-
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory, threaded: bool = True) -> None:
-        super().__init__(config)
-        self.executor_factory = executor_factory
-        self.threaded = threaded
-        self.engine_core: EngineCore | None = None
-        self._loop_thread: threading.Thread | None = None
-        self._inline_loop: EngineCoreLoop | None = None
-        self._loop: EngineCoreLoop | None = None
-        self._start()
-
-    def _launch(self) -> CoreConnection:
-        core = self.engine_core = EngineCore(self.config, self.executor_factory)
-        client_end, loop_end = local_pipe()
-        loop = self._loop = EngineCoreLoop(core, loop_end)
-        if not self.threaded:
-            self._inline_loop = loop
-            loop.open()
-            return client_end
-        # torch's thread count is per thread: the loop runs the forwards
-        # with this thread's.
-        num_threads = torch.get_num_threads()
-
-        def run() -> None:
-            torch.set_num_threads(num_threads)
-            loop.run()
-
-        self._loop_thread = threading.Thread(target=run, name="rayvllm-engine-loop", daemon=True)
-        self._loop_thread.start()
-        return client_end
-
-    def step(self) -> list[EngineCoreOutput]:
-        loop = self._inline_loop
-        if loop is not None and not self._ready():
-            loop.run_once()
-            if not self._ready():
-                return []  # the loop had no work: nothing will be pushed
-        return super().step()
-
-    def _release(self, timeout_s: float) -> None:
-        # The loop ends at the hang-up (after the step it is in); the core
-        # is shut down only after it, on this thread.
-        if self._loop_thread is not None:
-            self._loop_thread.join()
-            self._loop_thread = None
-        self._inline_loop = None
-        self._loop = None
-        if self.engine_core is not None:
-            self.engine_core.shutdown()
-            self.engine_core = None
-
-    def check_health(self) -> None:
-        core = self.engine_core
-        if core is None:
-            raise EngineDeadError("the engine core was shut down")
-        core.check_health()
-
-    def kill(self) -> None:
-        pass  # the step runs on a thread of this process; nothing can end it
-
-    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        loop = self._loop
-        if loop is None:
-            raise EngineDeadError("the engine core was shut down")
-        future = loop.intake.call_utility(method, args, kwargs)
-        if self._inline_loop is not None:
-            while not future.done() and not loop.intake.closed:
-                loop.run_once()
-        return future.result()
-
-    def share_weights(self, weights: Any) -> Any:
-        return weights  # the workers are in this process
-
-    def transfer_address(self) -> str:
-        return "127.0.0.1"

@@ -43,7 +43,6 @@ from rayvllm.core.block_events import BlockEventLog, ListenerFanout
 from rayvllm.core.prefix_index import PrefixIndex
 from rayvllm.core.request import Request
 from rayvllm.core.sched.scheduler import Scheduler
-from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.engine.intake import RequestIntake
 from rayvllm.engine.rank_recovery import RankRecovery
 from rayvllm.engine.restart_policy import RestartLimits
@@ -54,6 +53,7 @@ from rayvllm.messages.engine_types import BlockEvents, EngineCoreOutput, ModelRu
 from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, StepFailedError
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.scheduler_output import SchedulerOutput
+from rayvllm.messages.weight_update import WeightUpdateInfo
 from rayvllm.spec_decode.eligibility import can_speculate
 
 logger = logging.getLogger(__name__)

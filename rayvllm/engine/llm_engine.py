@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rayvllm.config import EngineConfig
-from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.engine.weight_sync import sync_weights
@@ -23,6 +22,7 @@ from rayvllm.messages.outputs import PoolingRequestOutput, RequestOutput, Reques
 from rayvllm.messages.pooling_params import PoolingParams
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.weight_update import WeightUpdateInfo
 from rayvllm.utils.tokenizer import get_tokenizer
 
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from rayvllm.distributed.weight_transfer import TransferGroup, WeightUpdateInfo, check_transfer_backend
+from rayvllm.distributed.weight_transfer import TransferGroup, check_transfer_backend
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.weight_update import WeightUpdateInfo
 from rayvllm.utils.network import free_port
 
 

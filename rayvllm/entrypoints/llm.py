@@ -10,12 +10,12 @@ from tqdm import tqdm
 
 from rayvllm.actors.factory import llm_engine_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from rayvllm.messages.pooling_params import PoolingParams
 from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.weight_update import WeightUpdateInfo
 
 PromptType = str | dict[str, Any] | list[int]
 _Params = TypeVar("_Params", SamplingParams, PoolingParams)

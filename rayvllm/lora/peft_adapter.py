@@ -14,13 +14,16 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from rayvllm.config.lora import SUPPORTED_TARGET_MODULES, LoRAConfig
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.lora_request import LoRARequest
+
+if TYPE_CHECKING:
+    import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -101,7 +104,9 @@ def check_adapter(request: LoRARequest, lora_config: LoRAConfig, hf_config: dict
         )
     shapes = _expected_shapes(hf_config)
     num_layers = int(hf_config["num_hidden_layers"])
-    with safe_open(str(Path(request.lora_path) / ADAPTER_WEIGHTS), framework="pt") as f:
+    # Names and shapes only: numpy's framework reads the header without
+    # loading torch (the front end that checks a request has no use for it).
+    with safe_open(str(Path(request.lora_path) / ADAPTER_WEIGHTS), framework="numpy") as f:
         keys = list(f.keys())
         for key in keys:
             match = _KEY.match(key)

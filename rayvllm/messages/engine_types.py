@@ -10,11 +10,14 @@ them from here; this module imports nothing of rayvllm but `request`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from rayvllm.messages.request import EngineCoreRequest, FinishReason
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -25,10 +25,10 @@ from rayvllm.distributed.weight_transfer import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     HostWeights,
     TransferGroup,
-    WeightUpdateInfo,
     check_transfer_backend,
 )
 from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.messages.weight_update import WeightUpdateInfo
 
 # Checkpoint tensors the model derives rather than loads.
 _DERIVED = ("rotary_emb.inv_freq",)

@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.parallel_state import ParallelContext
-from rayvllm.distributed.weight_transfer import DEFAULT_TRANSFER_TIMEOUT_S, WeightUpdateInfo
+from rayvllm.distributed.weight_transfer import DEFAULT_TRANSFER_TIMEOUT_S
 from rayvllm.kv_offload.factory import offloads_kv
 from rayvllm.messages.engine_types import ModelRunnerOutput
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.scheduler_output import SchedulerOutput
+from rayvllm.messages.weight_update import WeightUpdateInfo
 from rayvllm.model_executor.model_runner import ModelRunner
 from rayvllm.models.loader import checkpoint_spec
 from rayvllm.worker.core_share import CoreShare, node_cores

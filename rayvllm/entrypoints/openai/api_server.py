@@ -23,7 +23,6 @@ from ray.serve._private.constants import RAY_SERVE_ENABLE_DIRECT_INGRESS
 
 from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.distributed.weight_transfer import WeightUpdateInfo
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead, forwarded_routes, response_parts
@@ -49,6 +48,7 @@ from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
 from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
+from rayvllm.messages.weight_update import WeightUpdateInfo
 
 app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
 
