@@ -47,7 +47,10 @@ find the previous run's prompts cached and its TTFT would shrink for that
 reason alone). --prompt-seed (default: --seed) reseeds the prompts alone:
 repeated runs against one live --url server then keep the same arrivals
 while the prefix cache still never hits, so an A/B of a server-side change
-is not a comparison of two different arrival patterns. A warmup of
+is not a comparison of two different arrival patterns. With
+--shared-prefixes N the prompts share N prefixes of --prefix-len ids round
+robin (each rate draws its own), the rest of each prompt its own: a load a
+prefix cache serves from the second request of each prefix on. A warmup of
 --warmup-prompts concurrent requests precedes the first rate on each server.
 
 Arrivals: a Poisson process at each rate of --request-rates ("inf" = all
@@ -708,10 +711,17 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def make_prompts(num: int, input_len: int, vocab: int, seed: int, tag: str) -> list[list[int]]:
-    """`num` prompts of `input_len` random ids, seeded by (seed, tag): same for every server."""
+def make_prompts(
+    num: int, input_len: int, vocab: int, seed: int, tag: str, shared_prefixes: int = 0, prefix_len: int = 0
+) -> list[list[int]]:
+    """`num` prompts of `input_len` random ids, seeded by (seed, tag): same for every server. With
+    `shared_prefixes` N > 0, prompt i starts with prefix i % N (`prefix_len` ids, drawn once per tag)
+    and ends with its own ids: a mix that a prefix cache serves from its second request on."""
     rng = random.Random(f"serving-{seed}-{tag}")
-    return [random_ids(rng, input_len, vocab) for _ in range(num)]
+    if shared_prefixes <= 0:
+        return [random_ids(rng, input_len, vocab) for _ in range(num)]
+    prefixes = [random_ids(rng, prefix_len, vocab) for _ in range(shared_prefixes)]
+    return [prefixes[i % shared_prefixes] + random_ids(rng, input_len - prefix_len, vocab) for i in range(num)]
 
 
 async def _watch_port(intruders: Callable[[], list[str]], seen: set[str], every_s: float = 2.0) -> None:
@@ -762,7 +772,8 @@ async def bench_server(
         for rate in rates:
             seen: set[str] = set()
             watcher = asyncio.create_task(_watch_port(intruders, seen)) if intruders else None
-            prompts = make_prompts(args.num_prompts, args.input_len, vocab, prompt_seed, f"rate-{rate_label(rate)}")
+            prompts = make_prompts(args.num_prompts, args.input_len, vocab, prompt_seed, f"rate-{rate_label(rate)}",
+                                   args.shared_prefixes, args.prefix_len)
             offsets = arrival_offsets(len(prompts), rate, random.Random(f"arrivals-{args.seed}-{rate_label(rate)}"))
             try:
                 results, duration = await run_requests(
@@ -1009,6 +1020,8 @@ def main() -> None:
     with open(Path(model) / "config.json") as f:
         positions = int(json.load(f).get("max_position_embeddings", 2048))
     max_model_len = args.max_model_len or positions
+    if args.shared_prefixes > 0 and not 0 < args.prefix_len < args.input_len:
+        raise SystemExit("--shared-prefixes needs 0 < --prefix-len < --input-len")
     if args.input_len + args.output_len > max_model_len:
         raise SystemExit(f"a request needs {args.input_len + args.output_len} positions; max model len is {max_model_len}")
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -1068,6 +1081,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-seed", type=int, default=None, help="seed of the prompts alone (default: --seed)")
+    p.add_argument("--shared-prefixes", type=int, default=0,
+                   help="prompts share this many distinct prefixes, round robin (0: every prompt random)")
+    p.add_argument("--prefix-len", type=int, default=0, help="ids in each shared prefix (< --input-len)")
     p.add_argument("--warmup-prompts", type=int, default=8, help="concurrent warmup requests per server (0: none)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it fails")
     p.add_argument("--max-num-seqs", type=int, default=256, help="max_num_seqs for both launched servers")
