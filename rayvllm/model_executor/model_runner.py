@@ -610,11 +610,13 @@ class ModelRunner:
         """A non-driver TP rank's batch takes the tokens the driver appended
         this step, so both build the next step's inputs alike."""
         counts, tokens = tp_share_new_tokens(None, None, len(states), self.device, self.parallel)
+        if counts and counts[0] < 0:
+            return  # the driver's step failed: it appended nothing either
         at = 0
         for state, count in zip(states, counts):
-            for token in tokens[at : at + max(count, 0)]:
+            for token in tokens[at : at + count]:
                 self.input_batch.append_token(state, token)
-            at += max(count, 0)
+            at += count
 
     def _sample(
         self, logits: torch.Tensor, sampled_states: list[CachedRequestState]

@@ -580,7 +580,9 @@ class _Candidates:
         # and bounded processing never give) takes its top candidate rather
         # than index column -1 and end the engine for every request.
         n_positive = (weights > 0).sum(-1)
-        if bool((n_positive == 0).any()):
+        # Said only on the CPU: on CUDA the check would add a device sync to
+        # every sampled step, beside the one the step already has.
+        if weights.device.type == "cpu" and bool((n_positive == 0).any()):
             logger.warning(
                 "sampling rows without a finite top candidate (top logits %s); each takes its top candidate",
                 vals[n_positive == 0, 0].tolist(),
