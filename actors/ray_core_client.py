@@ -16,17 +16,16 @@ from typing import Any
 
 import ray
 
-from rayvllm.actors.ray_executor import get_unwrapped
 from rayvllm.actors.placement import (
     ReservedBundles,
     remove_groups_made_by,
     remove_worker_placement_group,
     scheduler_actor_options,
 )
+from rayvllm.actors.remote_errors import get_unwrapped
 from rayvllm.actors.scheduler_actor import SchedulerActor
 from rayvllm.config import EngineConfig, ParallelConfig
 from rayvllm.distributed.rpc_channel import connect
-from rayvllm.distributed.weight_transfer import HostWeights
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.local_pipe import CoreConnection, SocketConnection
 from rayvllm.messages.errors import EngineDeadError, PlacementError
@@ -146,6 +145,8 @@ class RayEngineCoreClient(EngineCoreClient):
         return get_unwrapped(actor.call_utility.remote(method, args, kwargs))
 
     def share_weights(self, weights: Any) -> Any:
+        from rayvllm.distributed.weight_transfer import HostWeights  # torch: only for a caller that syncs
+
         if isinstance(weights, Mapping):
             weights = HostWeights.of(weights)
         return ray.put(weights) if isinstance(weights, HostWeights) else weights

@@ -18,7 +18,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
 from rayvllm.actors.placement import (
     RankPlacement,
@@ -29,6 +29,7 @@ from rayvllm.actors.placement import (
     remove_worker_placement_group,
     worker_group_name,
 )
+from rayvllm.actors.remote_errors import get_unwrapped
 from rayvllm.actors.worker_actor import WorkerActor
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import ChannelClient, pickle_message
@@ -248,16 +249,3 @@ class RayExecutor(Executor):
         if self.pg is not None:
             remove_worker_placement_group(self.pg)
             self.pg = None
-
-
-def get_unwrapped(refs: Any) -> Any:
-    """`ray.get`, raising a remote error as the exception its task raised
-    (its type and message, e.g. a 400's `InvalidParameterError`), not
-    wrapped in Ray's traceback."""
-    try:
-        return ray.get(refs)
-    except RayTaskError as e:
-        cause = e.cause
-        if isinstance(cause, BaseException):
-            raise cause from None
-        raise

@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import threading
 from multiprocessing.connection import Listener
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
-from rayvllm.actors.executor_factory import create_executor
 from rayvllm.actors.placement import scheduler_hosts_worker
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import accept, open_listener
-from rayvllm.engine.core_loop import EngineCoreLoop
-from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.local_pipe import SocketConnection
-from rayvllm.executor.uniproc import UniProcExecutor
 from rayvllm.worker.core_share import node_cores
+
+# The engine (torch, the scheduler, the model code) is imported in the
+# actor, where it runs: the client that creates this actor imports this
+# module too, and a Serve replica never runs a model.
+if TYPE_CHECKING:
+    from rayvllm.engine.core_loop import EngineCoreLoop
+    from rayvllm.engine.engine_core import EngineCore
 
 
 def _set_threads(config: EngineConfig | None) -> None:
@@ -33,6 +35,8 @@ def _set_threads(config: EngineConfig | None) -> None:
     every core while the model it hosts loads (its worker sizes its own
     share before each step), else one (scheduling is single-threaded
     Python; more torch threads would only spin)."""
+    import torch
+
     hosts_model = config is not None and scheduler_hosts_worker(config.parallel_config)
     torch.set_num_threads(node_cores() if hosts_model and config.device == "cpu" else 1)
 
@@ -58,6 +62,10 @@ class SchedulerActor:
     def start(self, config: EngineConfig, reserved: object = None) -> int:
         """Start every worker group (in `reserved`'s bundles when a Serve
         replica or the caller reserved them); returns the KV blocks per DP rank."""
+        from rayvllm.actors.executor_factory import create_executor
+        from rayvllm.engine.engine_core import EngineCore
+        from rayvllm.executor.uniproc import UniProcExecutor
+
         self.config = config
         _set_threads(config)
         if scheduler_hosts_worker(config.parallel_config):
@@ -78,6 +86,8 @@ class SchedulerActor:
         return listener.address, authkey
 
     def _serve(self) -> None:
+        from rayvllm.engine.core_loop import EngineCoreLoop
+
         _set_threads(self.config)
         assert self.core is not None and self._listener is not None
         try:

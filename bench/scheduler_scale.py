@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_line, ensure_repo_on_path, format_table, median  # noqa: E402
 
 ensure_repo_on_path()
-import torch  # noqa: E402
 
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from rayvllm.engine.engine_core import EngineCore  # noqa: E402
@@ -69,7 +68,7 @@ def measure(ranks: int, args: argparse.Namespace) -> dict[str, float]:
     blocks_per_seq = -(-max_len // block)
     config = EngineConfig(
         model_config=ModelConfig(
-            model="null", tokenizer="null", dtype=torch.float32, max_model_len=max_len, seed=0, hf_config={}
+            model="null", tokenizer="null", dtype="float32", max_model_len=max_len, seed=0, hf_config={}
         ),
         cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(

@@ -63,8 +63,10 @@ def test_each_engine_default_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
     cli = EngineArgs.from_dict(given_args(build_parser().parse_args(["serve"]), EngineArgs))
     replica_engine_args = build_app()._bound_deployment.init_args[0]
     replica = EngineArgs.from_dict(replica_engine_args)
-    assert set(replica_engine_args) == {"model", "served_model_name"}
+    assert set(replica_engine_args) == {"model", "served_model_name", "device"}
     assert replica.served_model_name == DEMO_MODEL_NAME
+    # "auto" resolved where `serve run` runs (the replica imports no torch to ask).
+    assert replica.device == EngineArgs().resolve_device() != "auto"
 
     captured: list[EngineArgs] = []
 
@@ -89,7 +91,7 @@ def test_each_engine_default_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
         assert EngineArgs.model_fields[arg.name].default == default, arg.name
         assert getattr(cli, arg.name) == default, arg.name
         assert getattr(offline, arg.name) == default, arg.name
-        if arg.name not in ("model", "served_model_name"):  # build_app serves the demo model by name
+        if arg.name not in ("model", "served_model_name", "device"):  # build_app names the demo model and its device
             assert getattr(replica, arg.name) == default, arg.name
 
 

@@ -94,7 +94,7 @@ def meta_runner(config: EngineConfig, ctx: ParallelContext) -> ModelRunner:
     hf = config.model_config.hf_config
     cls = next(MODEL_REGISTRY[a] for a in hf["architectures"] if a in MODEL_REGISTRY)
     with torch.device("meta"):
-        runner.model = cls(hf, config.model_config.dtype, ctx).to(config.model_config.dtype)
+        runner.model = cls(hf, config.model_config.torch_dtype, ctx).to(config.model_config.torch_dtype)
     return runner
 
 

@@ -46,12 +46,16 @@ def test_profile_run_is_the_largest_step_and_writes_no_kv(
 def test_auto_dtype_follows_the_checkpoint_on_cuda_only() -> None:
     """vLLM's rule: half checkpoints stay half on CUDA, float32 stays float32,
     and the CPU computes in float32 unless told otherwise."""
-    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cuda") == torch.bfloat16
-    assert resolve_dtype("auto", {"dtype": "float16"}, "cuda") == torch.float16
-    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == torch.float32
-    assert resolve_dtype("auto", {}, "cuda") == torch.float32
-    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cpu") == torch.float32
-    assert resolve_dtype("float16", {"torch_dtype": "float32"}, "cuda") == torch.float16
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cuda") == "bfloat16"
+    assert resolve_dtype("auto", {"dtype": "float16"}, "cuda") == "float16"
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == "float32"
+    assert resolve_dtype("auto", {}, "cuda") == "float32"
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cpu") == "float32"
+    assert resolve_dtype("float16", {"torch_dtype": "float32"}, "cuda") == "float16"
+    assert resolve_dtype("half", {}, "cpu") == "float16"
+    # A torch.dtype given directly is named as torch names it.
+    assert resolve_dtype(torch.bfloat16, {}, "cpu") == "bfloat16"
+    assert getattr(torch, resolve_dtype("auto", {"torch_dtype": "bfloat16"}, "cuda")) == torch.bfloat16
 
 
 def test_weights_are_created_in_the_target_dtype(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 
 import pytest
-import torch
 
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayvllm.engine.core_client import EngineCoreClient
@@ -133,7 +132,7 @@ class HeldExecutor(Executor):
 def make_core(*, async_scheduling: bool = True, max_num_seqs: int = 4) -> tuple[EngineCore, HeldExecutor]:
     config = EngineConfig(
         model_config=ModelConfig(
-            model="fake", tokenizer="fake", dtype=torch.float32, max_model_len=256, seed=0, hf_config={}
+            model="fake", tokenizer="fake", dtype="float32", max_model_len=256, seed=0, hf_config={}
         ),
         cache_config=CacheConfig(block_size=4, enable_prefix_caching=False),
         scheduler_config=SchedulerConfig(

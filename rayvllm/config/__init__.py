@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rayvllm.config.dtypes import DTYPE_ALIASES, resolve_dtype, torch_dtype
 from rayvllm.config.fields import ArgSpec, config_field
 from rayvllm.config.kv_offload import KVOffloadConfig
 from rayvllm.config.lora import LoRAConfig
@@ -18,12 +19,6 @@ from rayvllm.messages.errors import InvalidParameterError
 
 if TYPE_CHECKING:
     import torch
-
-# The dtype names an engine argument takes, each to torch's name for it.
-# torch is imported only where a dtype is resolved: processes that build
-# configs but run no model (a batch job's feeders, routers) never pay its
-# import.
-_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 # "auto" picks by device and availability (kernels/backends.py); the
 # environment variable stands in for an "auto" engine argument.
@@ -33,22 +28,6 @@ ATTENTION_BACKEND_ENV = "RAYVLLM_ATTENTION_BACKEND"
 # What a model runner does with the final hidden states (vLLM's runner types).
 RUNNER_TYPES = ("generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN")
-
-
-def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> torch.dtype:
-    """vLLM's rule: "auto" takes the checkpoint's dtype, except float32 stays
-    float32 and half types fall back to float32 on CPU where they are slow."""
-    import torch
-
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
-        resolved = getattr(torch, _DTYPES.get(str(name).removeprefix("torch."), "float32"))
-        return torch.float32 if device == "cpu" else resolved
-    if dtype not in _DTYPES:
-        raise InvalidParameterError("dtype", f"unknown dtype {dtype!r}; expected one of auto, {', '.join(_DTYPES)}")
-    return getattr(torch, _DTYPES[dtype])
 
 
 def read_hf_config(model: str) -> dict:
@@ -101,8 +80,10 @@ class ModelConfig:
     tokenizer: str = config_field(
         "the tokenizer's directory; unset: the model's", arg_type=str | None, arg_default=None
     )
-    dtype: torch.dtype = config_field(
-        f"weights' and activations' dtype: auto (the checkpoint's; float32 on CPU), {', '.join(_DTYPES)}",
+    # torch's name of the dtype (`torch_dtype` makes it one): a config
+    # crosses processes that never import torch.
+    dtype: str = config_field(
+        f"weights' and activations' dtype: auto (the checkpoint's; float32 on CPU), {', '.join(DTYPE_ALIASES)}",
         arg_type=str, arg_default="auto",
     )
     max_model_len: int = config_field(
@@ -174,6 +155,10 @@ class ModelConfig:
     @property
     def is_pooling(self) -> bool:
         return self.runner_type == "pooling"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -510,11 +495,9 @@ class EngineConfig:
         """What batch-invariant mode cannot cover yet is refused, not run
         with a silent exception: its kernels are the CPU's float32 ones, and
         LoRA's and speculation's own paths have no fixed-order variant."""
-        import torch
-
         needs = {
             "device='cpu'": self.device == "cpu",
-            "dtype float32": self.model_config.dtype == torch.float32,
+            "dtype float32": self.model_config.dtype == "float32",
             "attention_backend auto or torch": self.attention_backend in ("auto", "torch"),
             # Two ranks' partial sums add in either order to the same bits;
             # gloo's ring over more ranks orders them by where an element

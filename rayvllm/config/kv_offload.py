@@ -6,13 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
+from rayvllm.config.dtypes import DTYPE_ITEMSIZE
 from rayvllm.config.fields import config_field
 from rayvllm.messages.errors import InvalidParameterError
-
-if TYPE_CHECKING:
-    import torch
 
 # "native": host memory of each worker (vLLM's CPU offloading); "ray": the
 # Ray object store, shared by every DP rank and replica of the same model.
@@ -60,7 +56,7 @@ class KVOffloadConfig:
 
 
 def kv_layout_fingerprint(
-    model: str, hf_config: dict, dtype: torch.dtype, block_size: int, tp_size: int, pp_size: int
+    model: str, hf_config: dict, dtype: str, block_size: int, tp_size: int, pp_size: int
 ) -> str:
     """A short digest of everything that decides what one block's KV shard
     holds: the model (path and config.json), dtype, block size and how the
@@ -73,8 +69,8 @@ def kv_layout_fingerprint(
 
 
 def kv_bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str
 ) -> int:
     """Bytes of one block's keys and values over all layers (all ranks of a group)."""
-    elem = dtype.itemsize
+    elem = DTYPE_ITEMSIZE[dtype]
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from rayvllm.distributed.weight_transfer import TransferGroup, check_transfer_backend
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.weight_update import WeightUpdateInfo
 from rayvllm.utils.network import free_port
+
+if TYPE_CHECKING:
+    import torch
+
+    from rayvllm.distributed.weight_transfer import TransferGroup
 
 
 def sync_weights(client: EngineCoreClient, weights: Any, backend: str = "ray") -> None:
@@ -33,6 +35,10 @@ def sync_weights(client: EngineCoreClient, weights: Any, backend: str = "ray") -
     A name, shape or dtype the model does not have raises before any
     weight is written, and the old weights keep serving; after it, the
     prefix cache is reset."""
+    # Here, not at the top: every front end imports this module, and the
+    # transfer group's torch.distributed is for the callers that sync.
+    from rayvllm.distributed.weight_transfer import TransferGroup, check_transfer_backend
+
     check_transfer_backend(backend)
     call = client.call_utility
     if backend == "ray":

@@ -209,6 +209,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if engine.model is None:
         given["model"] = str(demo_model_path())
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
+    if given.get("device", "auto") == "auto":
+        # Resolved here, where the node's devices are seen: the replica then
+        # needs no torch to ask, and its engine goes where its bundles do.
+        given["device"] = engine.resolve_device()
     options = replica_placement(engine)
     options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
     options["health_check_period_s"] = server.health_check_period_s

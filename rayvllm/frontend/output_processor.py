@@ -19,8 +19,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
-
 from rayvllm.frontend.detokenizer import RequestDetokenizer
 from rayvllm.messages.engine_types import EngineCoreOutput, LogprobsLists
 from rayvllm.messages.errors import InvalidParameterError
@@ -521,6 +519,8 @@ class OutputProcessor:
 
     def _finish_pooling(self, state: _SequenceState, out: EngineCoreOutput, now: float) -> PoolingRequestOutput:
         """A pooling request's one output: its vector, and it is done."""
+        import torch  # a pooling front end's only torch: generating ones never load it
+
         assert out.pooling_output is not None
         state.metrics.first_scheduled_time = out.first_scheduled_time
         self._finish(state, FinishReason.STOP, None, now)

@@ -55,5 +55,5 @@ def create_kv_block_io(
     else:
         from rayvllm.kv_offload.ray_tier import RayKVStore
 
-        store = RayKVStore(oc, shard, config.model_config.dtype)
+        store = RayKVStore(oc, shard, config.model_config.torch_dtype)
     return KVBlockIO(kv_caches, store)

@@ -93,7 +93,7 @@ class ModelRunner:
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.device = torch.device(config.device)
-        self.dtype = self.model_config.dtype
+        self.dtype = self.model_config.torch_dtype
         self.block_size = self.cache_config.block_size
         self.max_model_len = self.model_config.max_model_len
         self.input_batch = InputBatch(
