@@ -11,7 +11,6 @@ from typing import Any
 
 from rayvllm.config import EngineConfig
 from rayvllm.executor.base import Executor
-from rayvllm.executor.uniproc import UniProcExecutor
 
 
 def create_executor(config: EngineConfig, dp_rank: int = 0, reserved: Any = None) -> Executor:
@@ -22,4 +21,7 @@ def create_executor(config: EngineConfig, dp_rank: int = 0, reserved: Any = None
         from rayvllm.actors.ray_executor import RayExecutor
 
         return RayExecutor(config, dp_rank, reserved)
+    # Imported here: the worker (torch, the model) is for the process that runs it.
+    from rayvllm.executor.uniproc import UniProcExecutor
+
     return UniProcExecutor(config)

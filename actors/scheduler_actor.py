@@ -30,15 +30,17 @@ if TYPE_CHECKING:
     from rayvllm.engine.engine_core import EngineCore
 
 
-def _set_threads(config: EngineConfig | None) -> None:
-    """Torch threads for the calling thread (the setting is per thread):
-    every core while the model it hosts loads (its worker sizes its own
-    share before each step), else one (scheduling is single-threaded
-    Python; more torch threads would only spin)."""
+def _set_threads(config: EngineConfig) -> None:
+    """Torch threads for the calling thread (the setting is per thread) of
+    an actor that hosts its model: every core on the CPU while the model
+    loads (its worker sizes its own share before each step), else one. An
+    actor that only schedules never imports torch (Ray's OMP_NUM_THREADS,
+    the floor of its CPUs and at least one, covers anything that might)."""
+    if not scheduler_hosts_worker(config.parallel_config):
+        return
     import torch
 
-    hosts_model = config is not None and scheduler_hosts_worker(config.parallel_config)
-    torch.set_num_threads(node_cores() if hosts_model and config.device == "cpu" else 1)
+    torch.set_num_threads(node_cores() if config.device == "cpu" else 1)
 
 
 # Utility calls wait for the loop (a weight update may take long) on a
@@ -51,7 +53,6 @@ class SchedulerActor:
     (and `check_health`, which only asks the workers)."""
 
     def __init__(self) -> None:
-        _set_threads(None)
         self.config: EngineConfig | None = None
         self.core: EngineCore | None = None
         self._loop_thread: threading.Thread | None = None
@@ -64,11 +65,12 @@ class SchedulerActor:
         replica or the caller reserved them); returns the KV blocks per DP rank."""
         from rayvllm.actors.executor_factory import create_executor
         from rayvllm.engine.engine_core import EngineCore
-        from rayvllm.executor.uniproc import UniProcExecutor
 
         self.config = config
         _set_threads(config)
         if scheduler_hosts_worker(config.parallel_config):
+            from rayvllm.executor.uniproc import UniProcExecutor
+
             self.core = EngineCore(config, lambda dp_rank: UniProcExecutor(config))
         else:
             self.core = EngineCore(config, lambda dp_rank: create_executor(config, dp_rank, reserved))
@@ -88,8 +90,8 @@ class SchedulerActor:
     def _serve(self) -> None:
         from rayvllm.engine.core_loop import EngineCoreLoop
 
+        assert self.config is not None and self.core is not None and self._listener is not None
         _set_threads(self.config)
-        assert self.core is not None and self._listener is not None
         try:
             conn = accept(self._listener)
         except OSError:

@@ -11,7 +11,6 @@ from rayvllm.distributed.rpc_channel import ChannelServer
 from rayvllm.messages.engine_types import ModelRunnerOutput
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.utils.network import free_port
-from rayvllm.worker.worker import create_worker
 
 
 @ray.remote
@@ -24,6 +23,10 @@ class WorkerActor:
         self.rank = rank
         self.dp_rank = dp_rank if config.parallel_config.data_parallel_size > 1 else None
         self.channel: ChannelServer[SchedulerOutput, ModelRunnerOutput] | None = None
+        # Here, in the rank's process: the executor that creates this actor
+        # imports this module and runs no model (torch and the model code).
+        from rayvllm.worker.worker import create_worker
+
         self.worker = create_worker(config, rank)
         self.worker.set_threads()
 

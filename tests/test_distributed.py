@@ -195,6 +195,12 @@ def test_shutdown_leaves_nothing_behind(
     assert sorted(ours.values()) == actors
     pgs = {k: v for k, v in _live_groups().items() if k not in groups_before}
     assert len(pgs) == 1 and next(iter(pgs.values())).startswith(group)
+    # torch (its import's CPU and memory) only in processes that run the
+    # model: every rank, and the SchedulerActor only where it hosts one.
+    pids = {a.actor_id: a.pid for a in list_actors(address=ray.get_runtime_context().gcs_address) if a.actor_id in ours}
+    for actor_id, name in ours.items():
+        loads_torch = "libtorch" in Path(f"/proc/{pids[actor_id]}/maps").read_text()
+        assert loads_torch == (name == "WorkerActor" or len(actors) == 1), name
     try:
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
         if len(actors) == 1:

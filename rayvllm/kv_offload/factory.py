@@ -4,15 +4,19 @@ only when configured, so the in-process engine never loads Ray."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from rayvllm.config import EngineConfig
 from rayvllm.config.kv_offload import kv_bytes_per_block
 from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.core.kv_tier import KVTier
-from rayvllm.kv_offload.block_io import KVBlockIO
 from rayvllm.kv_offload.host_tier import HostKVStore, HostKVTier
 from rayvllm.kv_offload.tier import KVBlockStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from rayvllm.kv_offload.block_io import KVBlockIO
 
 
 def group_bytes_per_block(config: EngineConfig) -> int:
@@ -46,6 +50,8 @@ def create_kv_block_io(
     config: EngineConfig, shard: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> KVBlockIO | None:
     """The worker side for group rank `shard` over its bound caches."""
+    from rayvllm.kv_offload.block_io import KVBlockIO  # torch: the scheduler's side runs without it
+
     oc = config.kv_offload_config
     if oc is None or not offloads_kv(config) or not kv_caches:
         return None

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from rayvllm.core.block_pool import BlockPoolListener
 from rayvllm.messages.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    import torch
 
 
 class HostKVTier:

@@ -12,11 +12,12 @@ which are then recomputed, never read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from rayvllm.messages.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KVBlockStore(Protocol):
