@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from rayvllm.config.dtypes import DTYPE_ALIASES, resolve_dtype, torch_dtype
+from rayvllm.config.dtypes import DTYPE_ALIASES, resolve_dtype, to_torch_dtype
 from rayvllm.config.fields import ArgSpec, config_field
 from rayvllm.config.kv_offload import KVOffloadConfig
 from rayvllm.config.lora import LoRAConfig
@@ -158,7 +158,7 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
+        return to_torch_dtype(self.dtype)
 
     @property
     def vocab_size(self) -> int:

@@ -1,6 +1,6 @@
 """Dtypes as names: a config carries "float32", "bfloat16" or "float16"
 (torch's names), and only a process that builds tensors turns one into a
-`torch.dtype` (`torch_dtype`). A Serve replica, a router or a batch job's
+`torch.dtype` (`to_torch_dtype`). A Serve replica, a router or a batch job's
 feeder builds configs without ever importing torch."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: str) -> str
     return DTYPE_ALIASES[dtype]
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def to_torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, name)
