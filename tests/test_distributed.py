@@ -197,7 +197,8 @@ def test_shutdown_leaves_nothing_behind(
     assert len(pgs) == 1 and next(iter(pgs.values())).startswith(group)
     # torch (its import's CPU and memory) only in processes that run the
     # model: every rank, and the SchedulerActor only where it hosts one.
-    pids = {a.actor_id: a.pid for a in list_actors(address=ray.get_runtime_context().gcs_address) if a.actor_id in ours}
+    alive = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "!=", "DEAD")])
+    pids = {a.actor_id: a.pid for a in alive if a.actor_id in ours}
     for actor_id, name in ours.items():
         loads_torch = "libtorch" in Path(f"/proc/{pids[actor_id]}/maps").read_text()
         assert loads_torch == (name == "WorkerActor" or len(actors) == 1), name
