@@ -19,6 +19,12 @@ import pytest
 # worker's processes. libgomp reads this as torch loads it; Ray's
 # processes and the servers tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The engines tests start hold a few thousand tokens at most; the CPU
+# default (2 GiB, or what max_num_seqs full sequences need: 0.5-1 GiB for
+# the tiny and demo models) is written through at every engine start and
+# held by every rank. Ray's processes and the servers tests start inherit
+# it; tests of the default budget unset it.
+os.environ.setdefault("RAYVLLM_CPU_KVCACHE_SPACE", "0.125")
 
 import torch  # noqa: E402
 

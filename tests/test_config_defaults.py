@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rayvllm.config import CacheConfig, SchedulerConfig
+from rayvllm.config import CPU_KV_CACHE_SPACE_ENV, CacheConfig, SchedulerConfig
 from rayvllm.config.engine_args import ENGINE_ARG_GROUPS, EngineArgs, engine_arguments
 from rayvllm.config.fields import cli_flag, format_default, parse_value
 from rayvllm.config.kv_offload import kv_bytes_per_block
@@ -196,6 +196,7 @@ def test_config_doc_is_current() -> None:
 def test_cpu_kv_budget_is_the_cache_configs(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
     """Without kv_cache_memory_bytes the CPU model runner sizes the KV cache
     by CacheConfig.CPU_KV_CACHE_BYTES, not a number of its own."""
+    monkeypatch.delenv(CPU_KV_CACHE_SPACE_ENV, raising=False)  # the suite sets it (conftest)
     config = EngineArgs(model=str(tiny_model_dir), max_model_len=256).create_engine_config()
     mc = config.model_config
     block_size = config.cache_config.block_size
@@ -206,3 +207,26 @@ def test_cpu_kv_budget_is_the_cache_configs(monkeypatch: pytest.MonkeyPatch, tin
         assert llm.llm_engine.config.cache_config.num_blocks == 40
     finally:
         llm.shutdown()
+
+
+def test_cpu_kv_space_variable_sizes_the_cpu_cache(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    """RAYVLLM_CPU_KVCACHE_SPACE (GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE) is
+    the CPU cache's budget where kv_cache_memory_bytes is unset; the
+    argument wins, a CUDA engine ignores it, and a bad value is an error
+    that names it."""
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=256)
+    mc = args.create_engine_config().model_config
+    per_block = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, mc.dtype)
+    monkeypatch.setenv(CPU_KV_CACHE_SPACE_ENV, repr(40.5 * per_block / (1 << 30)))
+    assert args.create_engine_config().cache_config.kv_cache_memory_bytes == int(40.5 * per_block)
+    assert args.resolve_kv_cache_memory_bytes("cuda") is None
+    assert EngineArgs(model=str(tiny_model_dir), kv_cache_memory_bytes=123).resolve_kv_cache_memory_bytes("cpu") == 123
+    llm = LLM(str(tiny_model_dir), max_num_seqs=64, max_model_len=256)
+    try:
+        assert llm.llm_engine.config.cache_config.num_blocks == 40
+    finally:
+        llm.shutdown()
+    for bad in ("lots", "0", "-1"):
+        monkeypatch.setenv(CPU_KV_CACHE_SPACE_ENV, bad)
+        with pytest.raises(InvalidParameterError, match=CPU_KV_CACHE_SPACE_ENV):
+            args.create_engine_config()

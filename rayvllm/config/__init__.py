@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 # environment variable stands in for an "auto" engine argument.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 ATTENTION_BACKEND_ENV = "RAYVLLM_ATTENTION_BACKEND"
+# GiB of KV cache on CPU where `kv_cache_memory_bytes` is unset (vLLM's CPU
+# build reads VLLM_CPU_KVCACHE_SPACE the same way).
+CPU_KV_CACHE_SPACE_ENV = "RAYVLLM_CPU_KVCACHE_SPACE"
 
 # What a model runner does with the final hidden states (vLLM's runner types).
 RUNNER_TYPES = ("generate", "pooling")
@@ -187,8 +190,8 @@ class CacheConfig:
     """`num_blocks` is decided at engine start from the memory budget (or the
     override) and includes the null block 0."""
 
-    # The KV budget on CPU unless `kv_cache_memory_bytes` says otherwise
-    # (vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE, in GiB, for it).
+    # The KV budget on CPU unless `kv_cache_memory_bytes` (or
+    # CPU_KV_CACHE_SPACE_ENV, which sets it) says otherwise.
     CPU_KV_CACHE_BYTES: ClassVar[int] = 2 << 30
 
     block_size: int = config_field("tokens per KV cache block (a power of two)", 16)
@@ -201,7 +204,7 @@ class CacheConfig:
     )
     kv_cache_memory_bytes: int | None = config_field(
         "the KV cache's budget in bytes; unset: what gpu_memory_utilization leaves on CUDA, "
-        f"{CPU_KV_CACHE_BYTES >> 30} GiB on CPU", None,
+        f"on CPU {CPU_KV_CACHE_SPACE_ENV} GiB where that is set, else {CPU_KV_CACHE_BYTES >> 30} GiB", None,
     )
     num_gpu_blocks_override: int | None = config_field(
         "this many KV cache blocks (the null block included), whatever the memory budget", None

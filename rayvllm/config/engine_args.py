@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from rayvllm.config import (
     ATTENTION_BACKEND_ENV,
+    CPU_KV_CACHE_SPACE_ENV,
     MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
@@ -104,6 +105,20 @@ class EngineArgs(
         if self.attention_backend != "auto":
             return self.attention_backend
         return os.environ.get(ATTENTION_BACKEND_ENV, "auto")
+
+    def resolve_kv_cache_memory_bytes(self, device: str) -> int | None:
+        """The explicit argument wins over the environment variable, which
+        sizes a CPU engine's cache only."""
+        space = os.environ.get(CPU_KV_CACHE_SPACE_ENV, "")
+        if self.kv_cache_memory_bytes is not None or device != "cpu" or not space:
+            return self.kv_cache_memory_bytes
+        try:
+            gib = float(space)
+        except ValueError:
+            gib = 0.0
+        if not gib > 0:
+            raise InvalidParameterError(CPU_KV_CACHE_SPACE_ENV, f"must be a positive number of GiB, got {space!r}")
+        return int(gib * GIB)
 
     def resolve_runner(self, hf_config: dict | None = None) -> str:
         """"generate" or "pooling", from `runner`, the older `task` and (for
@@ -219,7 +234,7 @@ class EngineArgs(
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_cache_memory_bytes=self.resolve_kv_cache_memory_bytes(device),
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
