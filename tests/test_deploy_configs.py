@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from rayvllm.config import EngineConfig
+from rayvllm.config import CPU_KV_CACHE_SPACE_ENV, EngineConfig
 from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.entrypoints.openai.server_args import ServerArgs
 from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, direct_ingress_env, split_args
@@ -61,6 +61,13 @@ LLAMA_32_1B: dict[str, Any] = dict(
 DOC_TP2_NEEDS = "two CPU cores, or two GPUs"
 TP2_NODES = ({"CPU": 2.0}, {"CPU": 1.0, "GPU": 2.0})
 ONE_CORE = {"CPU": 1.0}
+
+
+@pytest.fixture(autouse=True)
+def node_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped configs start on nodes without the suite's smaller CPU KV
+    budget (conftest), so they are checked against the default."""
+    monkeypatch.delenv(CPU_KV_CACHE_SPACE_ENV, raising=False)
 
 
 def write_config_json(directory: Path, dims: dict[str, Any]) -> Path:
