@@ -73,10 +73,15 @@ def _sampling_params(params: SamplingParams | dict[str, Any] | None) -> Sampling
 # starts workers at 15): at 15 the replica's event loop waited behind the
 # forward's threads for every admission and every SSE chunk (p50 TTFT 67 ->
 # 25 ms at 2 requests/s, docs/BENCHMARKS.md). The router ingress in front of
-# several servers runs the same way.
+# several servers runs the same way, and its handle's request router too
+# runs on that one loop: a routed request and each chunk that comes back
+# then skip a hop between threads (docs/BENCHMARKS.md, the router's hop).
 SERVER_ACTOR_OPTIONS: dict[str, Any] = {
     "num_cpus": 0,
-    "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_worker_niceness": "0"}},
+    "runtime_env": {"env_vars": {
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+        "RAY_worker_niceness": "0",
+    }},
 }
 
 # Serve finds a dead replica (a killed process, an engine that failed for

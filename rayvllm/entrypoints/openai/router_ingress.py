@@ -144,7 +144,14 @@ class OpenAIRouter:
         if spec.replica_wide:
             return await self._answer_everywhere(request.method, path, data)
         hints = routing_hints(path, data, request.headers, self._tokenizer, self._served_model_name)
-        handle = self._handle(request.headers.get(MULTIPLEX_HEADER, "")).options(stream=True)
+        # Over Serve's inter-deployment gRPC (every replica serves it) rather
+        # than a Ray actor call whose chunks come back as objects, and
+        # pickled without cloudpickle's Python-level pickler (a JSON body,
+        # hints and the parts are plain data): the hop's dispatch, head and
+        # chunks each took a few ms less (docs/BENCHMARKS.md).
+        handle = self._handle(request.headers.get(MULTIPLEX_HEADER, "")).options(
+            stream=True, _by_reference=False, request_serialization="pickle", response_serialization="pickle"
+        )
 
         def call(resume: StreamResume | None = None) -> DeploymentResponseGenerator:
             return handle.serve_http.remote(request.method, path, data, resume=resume, **hints.as_kwargs())
