@@ -262,6 +262,19 @@ def test_the_ingress_answers_errors_as_one_server_would(
     assert models["object"] == "list" and len(models["data"]) == 1
 
 
+def test_a_body_past_grpcs_default_message_size_reaches_a_server(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """The ingress hands a server the body it read over Serve's gRPC,
+    whose messages are capped at 4 MiB by default; a 6 MiB body, under
+    `max_request_bytes`, is answered as one server would answer it."""
+    _, url = two_replicas
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "user": "u" * (6 << 20)}
+    reply = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert reply.status_code == 200, reply.text[:2000]
+    assert reply.json()["usage"]["completion_tokens"] == 2
+
+
 def _kill(class_name: str) -> None:
     for actor in list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")]):
         if actor.class_name == class_name:

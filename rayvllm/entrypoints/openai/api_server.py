@@ -76,11 +76,14 @@ def _sampling_params(params: SamplingParams | dict[str, Any] | None) -> Sampling
 # several servers runs the same way, and its handle's request router too
 # runs on that one loop: a routed request and each chunk that comes back
 # then skip a hop between threads (docs/BENCHMARKS.md, the router's hop).
+# The router sends requests over Serve's inter-deployment gRPC, whose
+# messages both ends cap at 4 MiB unless told otherwise: a body up to
+# `max_request_bytes` and a whole answer must pass.
 SERVER_ACTOR_OPTIONS: dict[str, Any] = {
     "num_cpus": 0,
     "runtime_env": {"env_vars": {
         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-        "RAY_worker_niceness": "0",
+        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1), "RAY_worker_niceness": "0",
     }},
 }
 
