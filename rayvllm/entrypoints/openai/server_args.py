@@ -20,8 +20,12 @@ PENDING_PER_SEQ = 4
 # `max_pending_prompt_tokens` says otherwise: this many full prefill steps
 # (max_num_batched_tokens each), and room for a few max_model_len prompts.
 # Beyond it a queue is minutes of prefill that every new request would wait
-# behind: a 503 that a client or router can act on is kinder.
-PENDING_PREFILL_STEPS = 32
+# behind: a 503 that a client or router can act on is kinder. Enough for
+# the request bound's worth of 1,024-token prompts at max_num_seqs 64: at
+# 32 steps a burst of 200 prompts of 512 tokens (ten seconds of prefill
+# for a small model on 2 cores) got 72 503s where vLLM's server, which
+# has no such bound, queued them all (docs/BENCHMARKS.md).
+PENDING_PREFILL_STEPS = 128
 PENDING_MAX_LEN_PROMPTS = 4
 
 
