@@ -23,8 +23,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # default (2 GiB, or what max_num_seqs full sequences need: 0.5-1 GiB for
 # the tiny and demo models) is written through at every engine start and
 # held by every rank. Ray's processes and the servers tests start inherit
-# it; tests of the default budget unset it.
-os.environ.setdefault("RAYVLLM_CPU_KVCACHE_SPACE", "0.125")
+# it; tests of the default budget unset it. (rayvllm.config imports
+# neither torch nor the kernels.)
+from rayvllm.config import CPU_KV_CACHE_SPACE_ENV  # noqa: E402
+
+os.environ.setdefault(CPU_KV_CACHE_SPACE_ENV, "0.125")
 
 import torch  # noqa: E402
 
