@@ -70,7 +70,10 @@ def test_leaving_a_stream_aborts_and_frees_blocks(tiny_model_dir: Path, offline:
         return first.outputs[0].token_ids, other, stats
 
     first, other, stats = _run(tiny_model_dir, body)
-    assert first == offline[3][: len(first)] and other == offline[0]
+    # The first output holds every token made before the stream was read: on
+    # a busy machine the step thread can run past the offline run's 12.
+    shared = min(len(first), len(offline[3]))
+    assert first[:shared] == offline[3][:shared] and other == offline[0]
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
