@@ -228,13 +228,6 @@ def remove_groups_made_by(actor_id: str) -> None:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(info["placement_group_id"]))))
 
 
-def scheduler_hosts_worker(parallel_config: ParallelConfig) -> bool:
-    """One DP rank of one worker: its model runs inside the SchedulerActor
-    (as vLLM's EngineCoreProc runs its UniProcExecutor), which saves a
-    process hop and a second process competing for the cores every step."""
-    return parallel_config.world_size == 1 and parallel_config.data_parallel_size == 1
-
-
 def scheduler_actor_options(
     parallel_config: ParallelConfig, device: str, reserved: ReservedBundles | None,
     pending: PlacementGroup | None = None,
@@ -247,7 +240,7 @@ def scheduler_actor_options(
     worker bundle of `reserved`, or a group of its own. Otherwise it asks
     for no CPU and sits in the reserved scheduler bundle (a replica's own),
     or beside the caller."""
-    if scheduler_hosts_worker(parallel_config):
+    if parallel_config.scheduler_hosts_worker:
         if reserved is not None:
             placement = reserved_worker_placements(reserved, parallel_config, 0)[0]
             return rank_actor_options(parallel_config, device, reserved.pg, placement), None

@@ -56,7 +56,7 @@ class RayEngineCoreClient(EngineCoreClient):
         caller's): the actor and the workers go in them, and the group is
         left as it was at shutdown. Without them the engine makes its own
         groups. At world size 1 with one DP rank the actor runs the model
-        itself (`scheduler_hosts_worker`). A new core after a failure is
+        itself (`ParallelConfig.scheduler_hosts_worker`). A new core after a failure is
         placed like the first."""
         super().__init__(config)
         self.reserved = reserved

@@ -4,8 +4,8 @@ owns it (engine/core_loop.py, the loop an in-process core runs on a thread).
 
 It asks Ray for no CPU (docs/ARCHITECTURE.md, principle 8): it computes nothing heavy and
 must fit beside the workers on a small machine. The exception: at world
-size 1 with one DP rank it runs that worker's model itself (placement.py's
-`scheduler_hosts_worker`), with the worker's resources and bundle.
+size 1 with one DP rank it runs that worker's model itself
+(`ParallelConfig.scheduler_hosts_worker`), with the worker's resources and bundle.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from rayvllm.actors.placement import scheduler_hosts_worker
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import accept, open_listener
 from rayvllm.engine.local_pipe import SocketConnection
@@ -36,7 +35,7 @@ def _set_threads(config: EngineConfig) -> None:
     loads (its worker sizes its own share before each step), else one. An
     actor that only schedules never imports torch (Ray's OMP_NUM_THREADS,
     the floor of its CPUs and at least one, covers anything that might)."""
-    if not scheduler_hosts_worker(config.parallel_config):
+    if not config.parallel_config.scheduler_hosts_worker:
         return
     import torch
 
@@ -68,7 +67,7 @@ class SchedulerActor:
 
         self.config = config
         _set_threads(config)
-        if scheduler_hosts_worker(config.parallel_config):
+        if config.parallel_config.scheduler_hosts_worker:
             from rayvllm.executor.uniproc import UniProcExecutor
 
             self.core = EngineCore(config, lambda dp_rank: UniProcExecutor(config))

@@ -158,8 +158,10 @@ def test_half_precision_logprobs_close_to_float32_reference(tiny_model_dir: Path
 
 
 def test_async_scheduling_defaults_by_executor(tiny_model_dir: Path) -> None:
-    """On where a step can overlap the next one's scheduling (the Ray path
-    with single-rank groups), off in-process; with tensor parallelism on
+    """On where a step runs in a worker actor while the loop schedules the
+    next (the Ray path with data parallelism over single-rank groups); off
+    where the loop's own thread runs the model (in-process, or the
+    SchedulerActor hosting the one worker); with tensor parallelism on
     request; asking for it with pipeline stages is an error naming the field."""
     from rayvllm.config.engine_args import EngineArgs
 
@@ -167,11 +169,11 @@ def test_async_scheduling_defaults_by_executor(tiny_model_dir: Path) -> None:
         return EngineArgs(model=str(tiny_model_dir), **kw).create_engine_config().scheduler_config.async_scheduling
 
     assert resolved() is False
-    assert resolved(distributed_executor_backend="ray") is True
+    assert resolved(distributed_executor_backend="ray") is False
     assert resolved(data_parallel_size=2) is True
     assert resolved(tensor_parallel_size=2) is False
     assert resolved(tensor_parallel_size=2, async_scheduling=True) is True
     assert resolved(async_scheduling=True) is True
-    assert resolved(distributed_executor_backend="ray", async_scheduling=False) is False
+    assert resolved(distributed_executor_backend="ray", async_scheduling=True) is True
     with pytest.raises(InvalidParameterError, match="async_scheduling"):
         resolved(pipeline_parallel_size=2, async_scheduling=True)

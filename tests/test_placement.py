@@ -28,7 +28,6 @@ from rayvllm.actors.placement import (  # noqa: E402
     create_worker_placement_group,
     rank_actor_options,
     remove_worker_placement_group,
-    scheduler_hosts_worker,
     worker_bundles,
 )
 from rayvllm.actors.ray_executor import RayExecutor  # noqa: E402
@@ -95,10 +94,10 @@ def test_worker_bundles_follow_device() -> None:
 
 
 def test_the_scheduler_hosts_the_model_only_for_a_single_worker() -> None:
-    assert scheduler_hosts_worker(ParallelConfig())
-    assert not scheduler_hosts_worker(ParallelConfig(tensor_parallel_size=2))
-    assert not scheduler_hosts_worker(ParallelConfig(pipeline_parallel_size=2))
-    assert not scheduler_hosts_worker(ParallelConfig(data_parallel_size=2))
+    assert ParallelConfig().scheduler_hosts_worker
+    assert not ParallelConfig(tensor_parallel_size=2).scheduler_hosts_worker
+    assert not ParallelConfig(pipeline_parallel_size=2).scheduler_hosts_worker
+    assert not ParallelConfig(data_parallel_size=2).scheduler_hosts_worker
 
 
 def test_assign_ranks_puts_driver_node_first_and_rejects_split_tp() -> None:

@@ -1,5 +1,5 @@
 """Speculative decoding on the Ray path: the SchedulerActor schedules drafts
-(async scheduling on, its default there), a WorkerActor verifies them, and
+(with async scheduling asked for) and its runner verifies them, and
 the counters reach the server's metrics; under tensor parallelism (gloo)
 the sampling rank runs the draft model while every rank verifies. Greedy
 tokens equal transformers' throughout."""
@@ -33,7 +33,8 @@ def test_async_llm_on_ray_with_ngram(ray_local: None, tiny_model_dir: Path) -> N
 
     async def main() -> tuple[list[list[int]], str, bool]:
         args = EngineArgs(
-            model=str(tiny_model_dir), distributed_executor_backend="ray", speculative_config=NGRAM, **ENGINE
+            model=str(tiny_model_dir), distributed_executor_backend="ray", async_scheduling=True,
+            speculative_config=NGRAM, **ENGINE,
         )
         engine = async_llm_from_engine_args(args)
         try:

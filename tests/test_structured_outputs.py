@@ -241,11 +241,11 @@ def _ray_case(llm: LLM) -> tuple[list[str], list[SamplingParams], list[list[int]
 
 
 def test_ray_path_with_async_scheduling_matches(ray_local: None, tiny_model_dir: Path, llm: LLM) -> None:
-    """On the Ray path the SchedulerActor's runner holds the matchers (async
-    scheduling is its default); seeded constrained outputs are the
+    """On the Ray path the SchedulerActor's runner holds the matchers, with
+    async scheduling asked for; seeded constrained outputs are the
     in-process engine's."""
     prompts, params, expected = _ray_case(llm)
-    remote = LLM(model=str(tiny_model_dir), distributed_executor_backend="ray", **ENGINE)
+    remote = LLM(model=str(tiny_model_dir), distributed_executor_backend="ray", async_scheduling=True, **ENGINE)
     try:
         assert remote.llm_engine.config.scheduler_config.async_scheduling
         outs = remote.generate(prompts, params, use_tqdm=False)

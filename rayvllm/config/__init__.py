@@ -247,10 +247,11 @@ class SchedulerConfig:
     # Schedule step k+1 while step k is still on the workers (decodes are
     # scheduled against the token step k will sample); see Scheduler.
     async_scheduling: bool = config_field(
-        "schedule step k+1 while step k runs on the workers; unset: on with the Ray runtime and one rank "
-        "per worker group (the loop would otherwise leave the worker idle while it schedules), off in-process "
-        "and with tensor parallelism (on request there: TP rank 0 hands each step's tokens to its group); "
-        "not with pipeline stages",
+        "schedule step k+1 while step k runs on the workers; unset: on with the Ray runtime where each "
+        "worker group is one rank in a worker actor (data parallelism; the loop would otherwise leave the worker "
+        "idle while it schedules), off where the SchedulerActor runs the model itself (one rank, one DP rank: "
+        "scheduling ahead would only hold each output back by a step), in-process and with tensor parallelism "
+        "(on request there: TP rank 0 hands each step's tokens to its group); not with pipeline stages",
         False, arg_type=bool | None, arg_default=None,
     )
 
@@ -342,6 +343,14 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Ranks in one worker group (one data-parallel rank)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def scheduler_hosts_worker(self) -> bool:
+        """One DP rank of one worker: on Ray its model runs inside the
+        SchedulerActor, on the engine loop's thread (as vLLM's EngineCoreProc
+        runs its UniProcExecutor), which saves a process hop and a second
+        process competing for the cores every step."""
+        return self.world_size == 1 and self.data_parallel_size == 1
 
     @property
     def use_ray(self) -> bool:
