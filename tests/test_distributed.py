@@ -184,7 +184,8 @@ def test_shutdown_leaves_nothing_behind(
     """The engine's actors and placement group, and none after shutdown.
     Each engine also answers greedy parity (the parity test leaves these
     two shapes here rather than start them twice): `distributed_executor_backend="ray"`
-    puts even a single rank on the Ray path, with async scheduling, its default there."""
+    puts even a single rank on the Ray path, there without async scheduling
+    (the SchedulerActor runs that rank's model on its loop's thread)."""
     from rayvllm.actors.ray_core_client import RayEngineCoreClient
 
     model_dir = models["llama-gqa"]
@@ -204,8 +205,8 @@ def test_shutdown_leaves_nothing_behind(
         assert loads_torch == (name == "WorkerActor" or len(actors) == 1), name
     try:
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
-        if len(actors) == 1:
-            assert llm.llm_engine.config.scheduler_config.async_scheduling
+        if len(actors) == 1:  # the loop's thread runs the model: nothing to schedule ahead of
+            assert not llm.llm_engine.config.scheduler_config.async_scheduling
         got = _greedy(llm, _prompts())
         assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
     finally:

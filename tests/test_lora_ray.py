@@ -1,6 +1,6 @@
 """Multi-LoRA on the Ray path (SchedulerActor + WorkerActor): adapters and
 the base model in one batch match transformers + PEFT with one worker
-(async scheduling on), under tensor and pipeline parallelism, where each
+(async scheduling asked for), under tensor and pipeline parallelism, where each
 rank loads its own shard of every adapter, and over two data-parallel
 ranks, each with its own slots."""
 
@@ -33,7 +33,7 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize(
     "sizes",
-    [dict(distributed_executor_backend="ray"), dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+    [dict(distributed_executor_backend="ray", async_scheduling=True), dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
      dict(data_parallel_size=2)],
     ids=["one-worker", "tp2", "pp2", "dp2"],
 )
