@@ -95,7 +95,8 @@ class EngineArgs(
             # Scheduling ahead overlaps only a step that runs elsewhere (a
             # worker actor of one rank); where the loop's own thread runs the
             # model it just holds each step's outputs back by a step.
-            return pc.use_ray and pc.world_size == 1 and not pc.scheduler_hosts_worker
+            # (One rank per group and not in the SchedulerActor: data parallelism, always on Ray.)
+            return pc.world_size == 1 and not pc.scheduler_hosts_worker
         if self.async_scheduling and pc.pipeline_parallel_size > 1:
             # Under async scheduling the scheduler does not have a step's
             # sampled tokens when it schedules the next; TP ranks get them
