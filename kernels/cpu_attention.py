@@ -1,4 +1,5 @@
-"""The C decode kernel (`csrc_paged_attention.c`), built on first use (see `cbuild`)."""
+"""The C attention kernels (`csrc_paged_attention.c`): decode, and prefill
+over the paged cache; built on first use (see `cbuild`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def _library(isa: str | None = None) -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_attention_decode_f32.argtypes = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 5 + [ctypes.c_float, ctypes.c_int]
-    lib.paged_attention_decode_f32.restype = ctypes.c_int
+    for fn in (lib.paged_attention_decode_f32, lib.paged_attention_prefill_f32):
+        fn.argtypes = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -32,8 +34,13 @@ def available(isa: str | None = None) -> bool:
 
 
 def supports(head_size: int, block_size: int) -> bool:
-    """Shapes the kernel handles: head size a multiple of 4, block size <= 256."""
+    """Shapes the decode kernel handles: head size a multiple of 4, block size <= 256."""
     return head_size % 4 == 0 and block_size <= 256 and available()
+
+
+def supports_prefill(head_size: int, block_size: int) -> bool:
+    """Shapes the prefill kernel handles: block size 16, head size a multiple of 16."""
+    return block_size == 16 and head_size % 16 == 0 and available()
 
 
 def paged_attention_decode(
@@ -48,6 +55,38 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """query `[T, H, D]` float32 (one query token per row); token t attends to
     keys `0 .. ctx_lens[t]-1` of block-table row `seq_rows[t]`."""
+    return _run("paged_attention_decode_f32", query, key_cache, value_cache, block_tables, seq_rows, ctx_lens,
+                scale, isa)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_rows: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """The same attention as `paged_attention_decode`, for the tokens of
+    prefills: each sequence's tokens consecutive, so that runs of them share
+    every key and value load. Only where `supports_prefill`."""
+    return _run("paged_attention_prefill_f32", query, key_cache, value_cache, block_tables, seq_rows, ctx_lens,
+                scale, isa)
+
+
+def _run(
+    name: str,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_rows: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    isa: str | None,
+) -> torch.Tensor:
     lib = _library(isa)
     assert lib is not None, "CPU attention kernel unavailable"
     assert query.dtype == torch.float32 and key_cache.dtype == torch.float32
@@ -58,9 +97,10 @@ def paged_attention_decode(
     assert key_cache.shape[1:] == (kv_heads, head_size, block_size)
     assert block_tables.dtype == seq_rows.dtype == ctx_lens.dtype == torch.int64
     assert block_tables.is_contiguous() and seq_rows.is_contiguous() and ctx_lens.is_contiguous()
-    lib.paged_attention_decode_f32(
+    code = getattr(lib, name)(
         query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_rows.data_ptr(), ctx_lens.data_ptr(),
         num_tokens, num_heads, kv_heads, head_size, block_size, scale, torch.get_num_threads(),
     )
+    assert code == 0, f"{name}: unsupported shape (block size {block_size}, head size {head_size})"
     return out

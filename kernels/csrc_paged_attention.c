@@ -40,11 +40,19 @@ typedef struct {
 static void softmax_rows(float *scores, int64_t heads, int64_t stride, int64_t ctx) {
     for (int64_t h = 0; h < heads; h++) {
         float *s = scores + h * stride;
-        float m = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < ctx; p++) m = s[p] > m ? s[p] : m;
-        for (int64_t p = 0; p < ctx; p++) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
+        /* The max in 16 independent lanes: one running max would be a chain of
+         * scalar compares (a strict-FP reduction GCC does not vectorise). */
+        float lanes[16];
+        for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
+        int64_t p = 0;
+        for (; p + 16 <= ctx; p += 16)
+            for (int l = 0; l < 16; l++) lanes[l] = s[p + l] > lanes[l] ? s[p + l] : lanes[l];
+        for (; p < ctx; p++) lanes[0] = s[p] > lanes[0] ? s[p] : lanes[0];
+        float m = lanes[0], sum = 0.f;
+        for (int l = 1; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
+        for (p = 0; p < ctx; p++) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
         const float inv = 1.f / sum;
-        for (int64_t p = 0; p < ctx; p++) s[p] *= inv;
+        for (p = 0; p < ctx; p++) s[p] *= inv;
     }
 }
 
@@ -128,13 +136,13 @@ static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64
 #define P1_PARTS (ROW_VECS == 1 ? 2 : 1)
 typedef float vf __attribute__((vector_size(VEC * 4), aligned(4)));
 
-/* Scores of one block's 16 positions for `gh` consecutive query heads:
- * queries q [gh][D], scores s [gh][stride]. With `shared` the heads are one
+/* Scores of one block's 16 positions for `gh` query rows: row g's query at
+ * q + g * qs (consecutive heads: qs = D), scores s [gh][stride]. With `shared` the heads are one
  * KV group and all read the keys kh [D][16]; without it (no GQA) head g
  * reads its own keys at kh + g * D * 16. `gh` and `shared` are literals. */
 static inline __attribute__((always_inline)) void block_scores(const float *kh, const float *next, const float *q,
-                                                               int64_t D, float *s, int64_t stride, float scale,
-                                                               int gh, int shared) {
+                                                               int64_t qs, int64_t D, float *s, int64_t stride,
+                                                               float scale, int gh, int shared) {
     vf acc[P1_HEADS][ROW_VECS][P1_PARTS];
     for (int g = 0; g < gh; g++)
         for (int v = 0; v < ROW_VECS; v++)
@@ -145,7 +153,7 @@ static inline __attribute__((always_inline)) void block_scores(const float *kh, 
             for (int v = 0; v < ROW_VECS; v++) k[v] = *(const vf *)(kh + (d + p) * 16 + v * VEC);
             for (int g = 0; g < (shared ? 1 : gh); g++) __builtin_prefetch(next + g * D * 16 + (d + p) * 16, 0, 3);
             for (int g = 0; g < gh; g++) {
-                const float qv = q[g * D + d + p];
+                const float qv = q[g * qs + d + p];
                 for (int v = 0; v < ROW_VECS; v++) {
                     const vf kg = shared ? k[v] : *(const vf *)(kh + g * D * 16 + (d + p) * 16 + v * VEC);
                     acc[g][v][p] += kg * qv;
@@ -161,14 +169,14 @@ static inline __attribute__((always_inline)) void block_scores(const float *kh, 
         }
 }
 
-/* out[g][0 .. nv*VEC) = sum over positions p < ctx of w[g][p] * V[p] for
- * `gh` consecutive heads and `nv` vectors of the head dimension; `voff`
+/* out[g * os ..][0 .. nv*VEC) = sum over positions p < ctx of w[g][p] * V[p]
+ * for `gh` rows (consecutive heads: os = D) and `nv` vectors of the head dimension; `voff`
  * selects the first head's KV head and slice within a position's row. With
  * `shared` the heads are one KV group (one V slice), without it head g
  * reads the slice D floats further on. `gh`, `nv`, `shared` are literals. */
 static inline __attribute__((always_inline)) void block_values(const job_t *j, const int64_t *bt, int64_t ctx,
                                                                const float *w, int64_t stride, int64_t voff,
-                                                               float *out, int gh, int nv, int shared) {
+                                                               float *out, int64_t os, int gh, int nv, int shared) {
     const int64_t row = j->KVH * j->D;
     vf acc[P2_HEADS][P2_VECS];
     for (int g = 0; g < gh; g++)
@@ -190,7 +198,55 @@ static inline __attribute__((always_inline)) void block_values(const job_t *j, c
         }
     }
     for (int g = 0; g < gh; g++)
-        for (int c = 0; c < nv; c++) *(vf *)(out + g * j->D + c * VEC) = acc[g][c];
+        for (int c = 0; c < nv; c++) *(vf *)(out + g * os + c * VEC) = acc[g][c];
+}
+
+/* block_scores with `gh` (1 .. P1_HEADS) and `shared` turned into literals. */
+static void scores_run(const float *kh, const float *next, const float *q, int64_t qs, int64_t D, float *s,
+                       int64_t stride, float scale, int gh, int shared) {
+#define SCORES(GH) shared ? block_scores(kh, next, q, qs, D, s, stride, scale, GH, 1) \
+                          : block_scores(kh, next, q, qs, D, s, stride, scale, GH, 0)
+    switch (gh) {
+        case 1: SCORES(1); break;
+#if P1_HEADS > 2
+        case 3: SCORES(3); break;
+        case 4: SCORES(4); break;
+#endif
+        default: SCORES(2); break;
+    }
+#undef SCORES
+}
+
+/* block_values with `gh` (1 .. P2_HEADS), `nv` (1 .. P2_VECS) and `shared`
+ * turned into literals: all three must be, for the accumulators to be registers. */
+static void values_run(const job_t *j, const int64_t *bt, int64_t ctx, const float *w, int64_t stride,
+                       int64_t voff, float *o, int64_t os, int gh, int nv, int shared) {
+#define VALUES(GH, NV) shared ? block_values(j, bt, ctx, w, stride, voff, o, os, GH, NV, 1) \
+                              : block_values(j, bt, ctx, w, stride, voff, o, os, GH, NV, 0)
+    switch (gh * 8 + nv) {
+        case 8 + 1: VALUES(1, 1); break;
+        case 8 + 2: VALUES(1, 2); break;
+        case 16 + 1: VALUES(2, 1); break;
+        case 16 + 2: VALUES(2, 2); break;
+#if P2_VECS > 2
+        case 8 + 3: VALUES(1, 3); break;
+        case 8 + 4: VALUES(1, 4); break;
+        case 16 + 3: VALUES(2, 3); break;
+        case 16 + 4: VALUES(2, 4); break;
+#endif
+#if P2_HEADS > 2
+        case 24 + 1: VALUES(3, 1); break;
+        case 24 + 2: VALUES(3, 2); break;
+        case 24 + 3: VALUES(3, 3); break;
+        case 24 + 4: VALUES(3, 4); break;
+        case 32 + 1: VALUES(4, 1); break;
+        case 32 + 2: VALUES(4, 2); break;
+        case 32 + 3: VALUES(4, 3); break;
+        case 32 + 4: VALUES(4, 4); break;
+#endif
+        default: break;
+    }
+#undef VALUES
 }
 
 /* Heads go in runs of up to P*_HEADS that share a KV head (GQA), or, with
@@ -214,19 +270,8 @@ static void run_bs16(job_t *j) {
             for (int64_t h = 0; h < H;) {
                 const int64_t left = span - h % span;
                 const int gh = (int)(left < P1_HEADS ? left : P1_HEADS);
-                const float *kh = kb + (h / G) * D * 16, *qh = qt + h * D, *nh = kn + (h / G) * D * 16;
-                float *s = scores + h * stride + b * 16;
-#define SCORES(GH) shared ? block_scores(kh, nh, qh, D, s, stride, j->scale, GH, 1) \
-                          : block_scores(kh, nh, qh, D, s, stride, j->scale, GH, 0)
-                switch (gh) {
-                    case 1: SCORES(1); break;
-#if P1_HEADS > 2
-                    case 3: SCORES(3); break;
-                    case 4: SCORES(4); break;
-#endif
-                    default: SCORES(2); break;
-                }
-#undef SCORES
+                scores_run(kb + (h / G) * D * 16, kn + (h / G) * D * 16, qt + h * D, D, D,
+                           scores + h * stride + b * 16, stride, j->scale, gh, shared);
                 h += gh;
             }
         }
@@ -236,36 +281,8 @@ static void run_bs16(job_t *j) {
             const int gh = (int)(left < P2_HEADS ? left : P2_HEADS);
             for (int64_t c0 = 0; c0 < D / VEC; c0 += P2_VECS) {
                 const int nv = (int)(D / VEC - c0 < P2_VECS ? D / VEC - c0 : P2_VECS);
-                const float *w = scores + h * stride;
-                float *o = j->out + (t * H + h) * D + c0 * VEC;
-                const int64_t voff = (h / G) * D + c0 * VEC;
-                /* All three must be literals for the accumulators to be registers. */
-#define VALUES(GH, NV) shared ? block_values(j, bt, ctx, w, stride, voff, o, GH, NV, 1) \
-                              : block_values(j, bt, ctx, w, stride, voff, o, GH, NV, 0)
-                switch (gh * 8 + nv) {
-                    case 8 + 1: VALUES(1, 1); break;
-                    case 8 + 2: VALUES(1, 2); break;
-                    case 16 + 1: VALUES(2, 1); break;
-                    case 16 + 2: VALUES(2, 2); break;
-#if P2_VECS > 2
-                    case 8 + 3: VALUES(1, 3); break;
-                    case 8 + 4: VALUES(1, 4); break;
-                    case 16 + 3: VALUES(2, 3); break;
-                    case 16 + 4: VALUES(2, 4); break;
-#endif
-#if P2_HEADS > 2
-                    case 24 + 1: VALUES(3, 1); break;
-                    case 24 + 2: VALUES(3, 2); break;
-                    case 24 + 3: VALUES(3, 3); break;
-                    case 24 + 4: VALUES(3, 4); break;
-                    case 32 + 1: VALUES(4, 1); break;
-                    case 32 + 2: VALUES(4, 2); break;
-                    case 32 + 3: VALUES(4, 3); break;
-                    case 32 + 4: VALUES(4, 4); break;
-#endif
-                    default: break;
-                }
-#undef VALUES
+                values_run(j, bt, ctx, scores + h * stride, stride, (h / G) * D + c0 * VEC,
+                           j->out + (t * H + h) * D + c0 * VEC, D, gh, nv, shared);
             }
             h += gh;
         }
@@ -310,5 +327,128 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
                      bs, scale, bounds[w], bounds[w + 1], max_ctx};
         if (job.t_begin < job.t_end) run(&job);
     }
+    return 0;
+}
+
+/* ---- Prefill: many query tokens of one sequence ------------------------
+ *
+ * A prefill token attends to the keys up to its own position, all in the
+ * cache when attention runs, exactly as a decode token does. What differs
+ * is that many tokens share one sequence: runs of up to PF_ROWS consecutive
+ * tokens of one sequence, one query head at a time, share every key load of
+ * the score pass and (P2_HEADS at a time) every value load of the value pass,
+ * where decode shares them among the heads of a KV group. A run scores up to
+ * its longest context; each row is soft-maxed over its own and its weights
+ * past it are zeroed, so the run sums values up to its longest context.
+ * Block size 16 and head size a multiple of 16 only (returns -1 otherwise). */
+/* Rows per run of the prefill score pass: each key vector load feeds this
+ * many FMAs; the accumulators (two blocks' worth per row) stay in registers. */
+#if defined(__AVX512F__)
+#define PF_ROWS 8
+#else
+#define PF_ROWS 2
+#endif
+
+/* Scores of two blocks' 16 positions each (keys k0, k1: [D][16]) for `rows`
+ * query rows (row r at q + r * qs) into s [rows][stride], s[..][0..32). A
+ * GEMM micro-kernel: per d, the keys are two vector loads and each row's
+ * query element one broadcast. `rows` is a literal. */
+static inline __attribute__((always_inline)) void pair_scores(const float *k0, const float *k1, const float *q,
+                                                              int64_t qs, int64_t D, float *s, int64_t stride,
+                                                              float scale, int rows) {
+    vf acc[PF_ROWS][2 * ROW_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 2 * ROW_VECS; v++) acc[r][v] = (vf){0};
+    for (int64_t d = 0; d < D; d++) {
+        vf k[2 * ROW_VECS];
+        for (int v = 0; v < ROW_VECS; v++) {
+            k[v] = *(const vf *)(k0 + d * 16 + v * VEC);
+            k[ROW_VECS + v] = *(const vf *)(k1 + d * 16 + v * VEC);
+        }
+        for (int r = 0; r < rows; r++) {
+            const float qv = q[r * qs + d];
+            for (int v = 0; v < 2 * ROW_VECS; v++) acc[r][v] += k[v] * qv;
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 2 * ROW_VECS; v++) *(vf *)(s + r * stride + v * VEC) = acc[r][v] * scale;
+}
+
+static void pair_scores_run(const float *k0, const float *k1, const float *q, int64_t qs, int64_t D, float *s,
+                            int64_t stride, float scale, int rows) {
+    switch (rows) {
+        case 1: pair_scores(k0, k1, q, qs, D, s, stride, scale, 1); break;
+#if PF_ROWS > 2
+        case 3: pair_scores(k0, k1, q, qs, D, s, stride, scale, 3); break;
+        case 4: pair_scores(k0, k1, q, qs, D, s, stride, scale, 4); break;
+        case 5: pair_scores(k0, k1, q, qs, D, s, stride, scale, 5); break;
+        case 6: pair_scores(k0, k1, q, qs, D, s, stride, scale, 6); break;
+        case 7: pair_scores(k0, k1, q, qs, D, s, stride, scale, 7); break;
+        case 8: pair_scores(k0, k1, q, qs, D, s, stride, scale, 8); break;
+#endif
+        default: pair_scores(k0, k1, q, qs, D, s, stride, scale, 2); break;
+    }
+}
+
+static void prefill_run(const job_t *j, int64_t t0, int64_t rows, int64_t h, float *scores, int64_t stride) {
+    const int64_t H = j->H, G = j->H / j->KVH, D = j->D, KVH = j->KVH;
+    const int64_t *bt = j->block_tables + j->seq_rows[t0] * j->bt_stride;
+    int64_t ctx = 0;
+    for (int64_t i = 0; i < rows; i++) ctx = j->ctx_lens[t0 + i] > ctx ? j->ctx_lens[t0 + i] : ctx;
+    const float *q = j->q + t0 * H * D + h * D;
+    const int64_t blocks = (ctx + 15) / 16;
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const float *k0 = j->kc + (bt[b] * KVH + h / G) * D * 16;
+        /* An odd last block is scored twice (its pair is itself): the same values. */
+        const float *k1 = b + 1 < blocks ? j->kc + (bt[b + 1] * KVH + h / G) * D * 16 : k0;
+        pair_scores_run(k0, k1, q, H * D, D, scores + b * 16, stride, j->scale, (int)rows);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t own = j->ctx_lens[t0 + i];
+        softmax_rows(scores + i * stride, 1, stride, own);
+        for (int64_t p = own; p < ctx; p++) scores[i * stride + p] = 0.f;
+    }
+    for (int64_t i = 0; i < rows; i += P2_HEADS) {
+        const int gh = (int)(rows - i < P2_HEADS ? rows - i : P2_HEADS);
+        for (int64_t c0 = 0; c0 < D / VEC; c0 += P2_VECS) {
+            const int nv = (int)(D / VEC - c0 < P2_VECS ? D / VEC - c0 : P2_VECS);
+            values_run(j, bt, ctx, scores + i * stride, stride, (h / G) * D + c0 * VEC,
+                       j->out + ((t0 + i) * H + h) * D + c0 * VEC, H * D, gh, nv, 1);
+        }
+    }
+}
+
+int paged_attention_prefill_f32(const float *q, float *out, const float *kc, const float *vc,
+                                const int64_t *block_tables, int64_t bt_stride,
+                                const int64_t *seq_rows, const int64_t *ctx_lens, int64_t T,
+                                int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
+                                int num_threads) {
+    if (bs != 16 || D % 16 != 0) return -1;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > 64) num_threads = 64;
+    /* Runs: consecutive tokens of one block-table row, at most P1_HEADS each. */
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (T + 1));
+    int64_t runs = 0, max_ctx = 1;
+    for (int64_t t = 0; t < T; t++) {
+        if (t == 0 || seq_rows[t] != seq_rows[t - 1] || t - starts[runs - 1] == PF_ROWS) starts[runs++] = t;
+        if (ctx_lens[t] > max_ctx) max_ctx = ctx_lens[t];
+    }
+    starts[runs] = T;
+    /* Room for whole pairs of blocks. */
+    const int64_t stride = (max_ctx + 31) / 32 * 32;
+    const job_t job = {q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
+                       bs, scale, 0, T, max_ctx};
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * PF_ROWS * stride);
+        /* Last runs first: they are the longest, so the dynamic schedule ends balanced. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = runs * H - 1; w >= 0; w--) {
+            const int64_t r = w / H;
+            prefill_run(&job, starts[r], starts[r + 1] - starts[r], w % H, scores, stride);
+        }
+        free(scores);
+    }
+    free(starts);
     return 0;
 }

@@ -67,6 +67,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [rows, max_blocks] int64
     decode_seq_rows: torch.Tensor | None = None  # [D] int64 rows of block_tables
     decode_ctx_lens: torch.Tensor | None = None  # [D] int64
+    # Prefill inputs of the in-place kernel, set instead of `prefills`: per
+    # token after the decodes, its block-table row and context length (its
+    # position + 1); a sequence's tokens are consecutive.
+    prefill_seq_rows: torch.Tensor | None = None  # [T - num_decode_tokens] int64
+    prefill_ctx_lens: torch.Tensor | None = None  # [T - num_decode_tokens] int64
     has_negative_slots: bool = False
     # Set instead of the torch fields above when the backend runs varlen kernels.
     varlen: VarlenMetadata | None = None
@@ -99,5 +104,7 @@ class AttentionMetadata:
             block_tables=opt(self.block_tables),
             decode_seq_rows=opt(self.decode_seq_rows),
             decode_ctx_lens=opt(self.decode_ctx_lens),
+            prefill_seq_rows=opt(self.prefill_seq_rows),
+            prefill_ctx_lens=opt(self.prefill_ctx_lens),
             varlen=varlen,
         )

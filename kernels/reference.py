@@ -66,8 +66,9 @@ def paged_attention(
     """Attention for a mixed batch; `query` is `[T, heads, head_size]`,
     `key`/`value` the step's new `[T, kv_heads, head_size]` (already written
     to the cache). Returns `[T, heads, head_size]`. Decodes go to the C
-    kernel when the metadata carries block tables (float32 CPU), else to a
-    gather + SDPA in torch, which is the oracle."""
+    kernel when the metadata carries block tables (float32 CPU), and so do
+    prefills when it carries their rows; else a gather + SDPA in torch,
+    which is the oracle."""
     num_tokens, num_heads, head_size = query.shape
     kv_heads = value_cache.shape[2]
     out = torch.empty_like(query)
@@ -84,6 +85,12 @@ def paged_attention(
             out[:num_decodes] = _decode(
                 query[:num_decodes], key_cache, flat_v, metadata.decode_kv_index, metadata.decode_mask, scale
             )
+    if metadata.prefill_seq_rows is not None:
+        assert metadata.block_tables is not None and metadata.prefill_ctx_lens is not None
+        out[num_decodes:] = cpu_attention.paged_attention_prefill(
+            query[num_decodes:], key_cache, value_cache, metadata.block_tables,
+            metadata.prefill_seq_rows, metadata.prefill_ctx_lens, scale,
+        )
     for seq in metadata.prefills:
         q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if seq.block_ids is None:

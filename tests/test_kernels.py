@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rayvllm.kernels import cpu_attention
-from rayvllm.kernels.cpu_isa import ISAS, cpu_info
+from rayvllm.kernels.cpu_isa import ISAS, cpu_info, selected_isa
 from rayvllm.kernels.metadata import AttentionMetadata, PrefillSeq
 from rayvllm.kernels.reference import gather_keys, paged_attention, reshape_and_cache
 
@@ -62,6 +62,58 @@ def test_c_decode_kernel_matches_reference(isa: str, heads: int, kv_heads: int, 
         slots = block_tables[rows[t], pos // block_size] * block_size + pos % block_size
         expected = _dense_attention(q[t : t + 1], gather_keys(k_cache, slots), flat_v[slots], scale, n - 1)
         torch.testing.assert_close(out[t : t + 1], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads,kv_heads", [(6, 6), (8, 2), (4, 1)])
+@pytest.mark.parametrize("head_size", [16, 48, 128])
+def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, head_size: int) -> None:
+    """Prefills of several sequences (fresh, over a cached prefix, one token,
+    runs that end mid-block) through the prefill kernel, read from a cache
+    whose unwritten slots are NaN, against dense causal attention; through
+    `paged_attention` too, whose metadata sends the prefill rows there."""
+    _require(isa, cpu_attention.available)
+    block_size = 16
+    gen = torch.Generator().manual_seed(heads * 100 + head_size)
+    seqs = [(0, 37), (21, 16), (5, 1), (0, 9), (40, 23)]  # (cached tokens, new tokens)
+    num_blocks = 40
+    k_cache, v_cache = _random_cache(num_blocks, block_size, kv_heads, head_size, gen)
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    block_tables = torch.zeros(len(seqs), 5, dtype=torch.int64)
+    free = iter(torch.randperm(num_blocks - 1, generator=gen).tolist())
+    rows, lens, queries, expected = [], [], [], []
+    scale = head_size**-0.5
+    for i, (cached, new) in enumerate(seqs):
+        total = cached + new
+        for b in range(-(-total // block_size)):
+            block_tables[i, b] = next(free) + 1
+        pos = torch.arange(total)
+        k = torch.randn(total, kv_heads, head_size, generator=gen)
+        v = torch.randn(total, kv_heads, head_size, generator=gen)
+        reshape_and_cache(k, v, k_cache, v_cache, block_tables[i, pos // block_size] * block_size + pos % block_size)
+        q = torch.randn(new, heads, head_size, generator=gen)
+        queries.append(q)
+        rows += [i] * new
+        lens.append(torch.arange(cached + 1, total + 1))
+        expected.append(_dense_attention(q, k, v, scale, cached))
+    q, seq_rows, ctx_lens = torch.cat(queries), torch.tensor(rows), torch.cat(lens)
+    out = cpu_attention.paged_attention_prefill(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa)
+    torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=1e-4)
+    if isa == selected_isa():
+        md = AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.int64), num_decode_tokens=0, prefills=[],
+                               block_tables=block_tables, prefill_seq_rows=seq_rows, prefill_ctx_lens=ctx_lens)
+        through = paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, md, scale)
+        torch.testing.assert_close(through, torch.cat(expected), atol=2e-5, rtol=1e-4)
+
+
+def test_prefill_kernel_shapes() -> None:
+    """Block size 16 and head sizes that are multiples of 16 only; the engine
+    keeps other shapes on the torch path."""
+    if not cpu_attention.available():
+        pytest.skip("no C compiler")
+    assert cpu_attention.supports_prefill(48, 16) and cpu_attention.supports_prefill(128, 16)
+    assert not cpu_attention.supports_prefill(40, 16) and not cpu_attention.supports_prefill(64, 32)
 
 
 @pytest.mark.parametrize("use_c", [False, True])

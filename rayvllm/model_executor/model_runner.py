@@ -119,6 +119,10 @@ class ModelRunner:
             and self.dtype == torch.float32
             and cpu_attention.supports(self.model_config.head_dim, self.block_size)
         )
+        # Prefills through the C kernel too, over the cache (docs/BENCHMARKS.md, issue 30).
+        self.use_c_prefill = self.use_c_decode and cpu_attention.supports_prefill(
+            self.model_config.head_dim, self.block_size
+        )
         # Batch-invariant mode: every token through the decode kernel, every
         # GEMM through the C kernel (config.deterministic).
         self.deterministic = config.deterministic
@@ -490,6 +494,11 @@ class ModelRunner:
             kv_index = batch.block_table[seq_rows[:, None], pos[None, :] // bs] * bs + pos % bs
             metadata.decode_kv_index = torch.from_numpy(kv_index)
             metadata.decode_mask = torch.from_numpy(pos[None, :] < seq_lens[:, None])[:, None, None, :]
+        if self.use_c_prefill and nd < len(plan.states):
+            metadata.block_tables = self.block_table_tensor
+            metadata.prefill_seq_rows = torch.from_numpy(np.repeat(rows[nd:], plan.q_lens[nd:]))
+            metadata.prefill_ctx_lens = torch.from_numpy(positions[nd_tokens:] + 1)
+            return metadata
         for i in range(nd, len(plan.states)):
             start, q_len = int(plan.starts[i]), int(plan.q_lens[i])
             ctx = start + q_len
