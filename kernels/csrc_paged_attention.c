@@ -342,9 +342,10 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
  * past it are zeroed, so the run sums values up to its longest context.
  * Block size 16 and head size a multiple of 16 only (returns -1 otherwise). */
 /* Rows per run of the prefill score pass: each key vector load feeds this
- * many FMAs; the accumulators (two blocks' worth per row) stay in registers. */
+ * many FMAs per block; the accumulators (two blocks' worth per row, in
+ * P1_PARTS partial sums) stay in registers. */
 #if defined(__AVX512F__)
-#define PF_ROWS 8
+#define PF_ROWS 7
 #else
 #define PF_ROWS 2
 #endif
@@ -352,26 +353,37 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
 /* Scores of two blocks' 16 positions each (keys k0, k1: [D][16]) for `rows`
  * query rows (row r at q + r * qs) into s [rows][stride], s[..][0..32). A
  * GEMM micro-kernel: per d, the keys are two vector loads and each row's
- * query element one broadcast. `rows` is a literal. */
+ * query element one broadcast. Each score is summed exactly as
+ * `block_scores` sums it (the same partial sums over d, added in the same
+ * order, then scaled), so a token's attention is the same bits whether it
+ * comes as a decode or in a prefill: batch-invariant mode relies on it.
+ * `rows` is a literal. */
 static inline __attribute__((always_inline)) void pair_scores(const float *k0, const float *k1, const float *q,
                                                               int64_t qs, int64_t D, float *s, int64_t stride,
                                                               float scale, int rows) {
-    vf acc[PF_ROWS][2 * ROW_VECS];
+    vf acc[PF_ROWS][2 * ROW_VECS][P1_PARTS];
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < 2 * ROW_VECS; v++) acc[r][v] = (vf){0};
-    for (int64_t d = 0; d < D; d++) {
-        vf k[2 * ROW_VECS];
-        for (int v = 0; v < ROW_VECS; v++) {
-            k[v] = *(const vf *)(k0 + d * 16 + v * VEC);
-            k[ROW_VECS + v] = *(const vf *)(k1 + d * 16 + v * VEC);
-        }
-        for (int r = 0; r < rows; r++) {
-            const float qv = q[r * qs + d];
-            for (int v = 0; v < 2 * ROW_VECS; v++) acc[r][v] += k[v] * qv;
+        for (int v = 0; v < 2 * ROW_VECS; v++)
+            for (int p = 0; p < P1_PARTS; p++) acc[r][v][p] = (vf){0};
+    for (int64_t d = 0; d < D; d += P1_PARTS) {
+        for (int p = 0; p < P1_PARTS; p++) {
+            vf k[2 * ROW_VECS];
+            for (int v = 0; v < ROW_VECS; v++) {
+                k[v] = *(const vf *)(k0 + (d + p) * 16 + v * VEC);
+                k[ROW_VECS + v] = *(const vf *)(k1 + (d + p) * 16 + v * VEC);
+            }
+            for (int r = 0; r < rows; r++) {
+                const float qv = q[r * qs + d + p];
+                for (int v = 0; v < 2 * ROW_VECS; v++) acc[r][v][p] += k[v] * qv;
+            }
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < 2 * ROW_VECS; v++) *(vf *)(s + r * stride + v * VEC) = acc[r][v] * scale;
+        for (int v = 0; v < 2 * ROW_VECS; v++) {
+            vf sum = acc[r][v][0];
+            for (int p = 1; p < P1_PARTS; p++) sum += acc[r][v][p];
+            *(vf *)(s + r * stride + v * VEC) = sum * scale;
+        }
 }
 
 static void pair_scores_run(const float *k0, const float *k1, const float *q, int64_t qs, int64_t D, float *s,
@@ -384,7 +396,6 @@ static void pair_scores_run(const float *k0, const float *k1, const float *q, in
         case 5: pair_scores(k0, k1, q, qs, D, s, stride, scale, 5); break;
         case 6: pair_scores(k0, k1, q, qs, D, s, stride, scale, 6); break;
         case 7: pair_scores(k0, k1, q, qs, D, s, stride, scale, 7); break;
-        case 8: pair_scores(k0, k1, q, qs, D, s, stride, scale, 8); break;
 #endif
         default: pair_scores(k0, k1, q, qs, D, s, stride, scale, 2); break;
     }

@@ -70,8 +70,9 @@ def test_c_decode_kernel_matches_reference(isa: str, heads: int, kv_heads: int, 
 def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, head_size: int) -> None:
     """Prefills of several sequences (fresh, over a cached prefix, one token,
     runs that end mid-block) through the prefill kernel, read from a cache
-    whose unwritten slots are NaN, against dense causal attention; through
-    `paged_attention` too, whose metadata sends the prefill rows there."""
+    whose unwritten slots are NaN, against dense causal attention and bit
+    for bit against the decode kernel; through `paged_attention` too, whose
+    metadata sends the prefill rows there."""
     _require(isa, cpu_attention.available)
     block_size = 16
     gen = torch.Generator().manual_seed(heads * 100 + head_size)
@@ -100,6 +101,9 @@ def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, hea
     q, seq_rows, ctx_lens = torch.cat(queries), torch.tensor(rows), torch.cat(lens)
     out = cpu_attention.paged_attention_prefill(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa)
     torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=1e-4)
+    # The same bits as the decode kernel's, token by token (batch-invariant mode relies on it).
+    decode = cpu_attention.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa)
+    assert torch.equal(out, decode)
     if isa == selected_isa():
         md = AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.int64), num_decode_tokens=0, prefills=[],
                                block_tables=block_tables, prefill_seq_rows=seq_rows, prefill_ctx_lens=ctx_lens)

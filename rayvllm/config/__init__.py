@@ -475,8 +475,9 @@ class EngineConfig:
     enforce_eager: bool = config_field("never capture CUDA graphs (the CPU always runs eager)", False)
     # Batch invariance comes from kernels that reduce in one fixed order per
     # token: the C GEMM (each output summed over K in order, whatever the
-    # rows beside it) and the C attention kernel for every token, prefill
-    # tokens included (each its own exact softmax over its context).
+    # rows beside it) and the C attention kernels for every token, prefill
+    # tokens included (each its own exact softmax over its context, summed
+    # alike in the decode and the prefill kernel).
     deterministic: bool = config_field(
         "batch-invariant mode: a request's tokens and logprobs are bitwise the same whatever else shares its "
         "batch and however its prompt is chunked (float32 on the CPU; slower, see docs/BENCHMARKS.md)", False,

@@ -413,10 +413,13 @@ class ModelRunner:
         # Drafts attend like decodes (each to the positions up to its own),
         # so the decode kernel serves them without gathering the context; in
         # batch-invariant mode every token does, so that a token's attention
-        # is the same sum whichever chunk or batch it comes in.
+        # is the same sum whichever chunk or batch it comes in, unless the C
+        # prefill kernel serves the prefills: it sums each token as the
+        # decode kernel does.
         verify = so.scheduled_spec_decode_tokens if not self.attn_backend.uses_varlen_metadata else {}
+        all_as_decodes = self.deterministic and not self.use_c_prefill
         for req_id, n in so.num_scheduled_tokens.items():
-            as_decode = n == 1 or req_id in verify or self.deterministic
+            as_decode = n == 1 or req_id in verify or all_as_decodes
             (decodes if as_decode else prefills).append(requests[req_id])
         states = decodes + prefills
         q_lens = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), np.int64, len(states))
