@@ -325,6 +325,12 @@ class ServerLaunch:
         return f"http://127.0.0.1:{self.port}"
 
 
+def _sigint_default() -> None:
+    """In the server's process before it execs: SIGINT back to its default,
+    so that the server's own Ctrl-C handling (its graceful stop) runs."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServerProcess:
     """One server child in its own session, with its output in a log file."""
 
@@ -353,6 +359,10 @@ class ServerProcess:
                 # New session (and process group): Ctrl-C at our terminal does not
                 # reach it, and its session id names everything it starts.
                 start_new_session=True,
+                # A bench started in the background by a shell without job
+                # control has SIGINT ignored, which its children inherit: the
+                # server would then sit out the stop's grace period.
+                preexec_fn=_sigint_default,
             )
 
     def alive(self) -> bool:
