@@ -25,11 +25,11 @@ def test_builders_side_by_side_each_find_it_complete(tmp_path: Path) -> None:
     procs = [
         subprocess.Popen([sys.executable, "-c", BUILD, str(target), json.dumps(SPEC)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-        for _ in range(3)
+        for _ in range(2)  # two make the race; a third only costs one more process
     ]
     results = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in results]
-    assert [out.strip() for out, _ in results] == ["64"] * 3
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    assert [out.strip() for out, _ in results] == ["64"] * 2
     assert (target / ".rayvllm-complete").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging directory left
 
