@@ -43,7 +43,7 @@ def supports_prefill(head_size: int, block_size: int) -> bool:
     return block_size == 16 and head_size % 16 == 0 and available()
 
 
-def paged_attention_decode(
+def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -52,41 +52,15 @@ def paged_attention_decode(
     ctx_lens: torch.Tensor,
     scale: float,
     isa: str | None = None,
+    prefill: bool = False,
 ) -> torch.Tensor:
-    """query `[T, H, D]` float32 (one query token per row); token t attends to
-    keys `0 .. ctx_lens[t]-1` of block-table row `seq_rows[t]`."""
-    return _run("paged_attention_decode_f32", query, key_cache, value_cache, block_tables, seq_rows, ctx_lens,
-                scale, isa)
-
-
-def paged_attention_prefill(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_rows: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    scale: float,
-    isa: str | None = None,
-) -> torch.Tensor:
-    """The same attention as `paged_attention_decode`, for the tokens of
-    prefills: each sequence's tokens consecutive, so that runs of them share
-    every key and value load. Only where `supports_prefill`."""
-    return _run("paged_attention_prefill_f32", query, key_cache, value_cache, block_tables, seq_rows, ctx_lens,
-                scale, isa)
-
-
-def _run(
-    name: str,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_rows: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    scale: float,
-    isa: str | None,
-) -> torch.Tensor:
+    """query `[T, H, D]` float32, one query token per row; token t attends to
+    keys `0 .. ctx_lens[t]-1` of block-table row `seq_rows[t]`. The decode
+    kernel takes tokens in any order; with `prefill`, the prefill kernel
+    (only where `supports_prefill`) takes the tokens of prefills, each
+    sequence's consecutive, so that runs of them share every key and value
+    load, and gives each token the decode kernel's bits."""
+    name = "paged_attention_prefill_f32" if prefill else "paged_attention_decode_f32"
     lib = _library(isa)
     assert lib is not None, "CPU attention kernel unavailable"
     assert query.dtype == torch.float32 and key_cache.dtype == torch.float32

@@ -77,7 +77,7 @@ def paged_attention(
     num_decodes = metadata.num_decode_tokens
     if num_decodes:
         if metadata.uses_block_tables:
-            out[:num_decodes] = cpu_attention.paged_attention_decode(
+            out[:num_decodes] = cpu_attention.paged_attention(
                 query[:num_decodes], key_cache, value_cache, metadata.block_tables,
                 metadata.decode_seq_rows, metadata.decode_ctx_lens, scale,
             )
@@ -87,9 +87,9 @@ def paged_attention(
             )
     if metadata.prefill_seq_rows is not None:
         assert metadata.block_tables is not None and metadata.prefill_ctx_lens is not None
-        out[num_decodes:] = cpu_attention.paged_attention_prefill(
+        out[num_decodes:] = cpu_attention.paged_attention(
             query[num_decodes:], key_cache, value_cache, metadata.block_tables,
-            metadata.prefill_seq_rows, metadata.prefill_ctx_lens, scale,
+            metadata.prefill_seq_rows, metadata.prefill_ctx_lens, scale, prefill=True,
         )
     for seq in metadata.prefills:
         q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]

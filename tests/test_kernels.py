@@ -52,7 +52,7 @@ def test_c_decode_kernel_matches_reference(isa: str, heads: int, kv_heads: int, 
     lens_by_token = ctx_lens[rows].contiguous()
     q = torch.randn(num_seqs, heads, head_size, generator=gen)
     scale = head_size**-0.5
-    out = cpu_attention.paged_attention_decode(
+    out = cpu_attention.paged_attention(
         q, k_cache, v_cache, block_tables, rows.contiguous(), lens_by_token, scale, isa=isa
     )
     flat_v = v_cache.view(-1, kv_heads, head_size)
@@ -99,10 +99,11 @@ def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, hea
         lens.append(torch.arange(cached + 1, total + 1))
         expected.append(_dense_attention(q, k, v, scale, cached))
     q, seq_rows, ctx_lens = torch.cat(queries), torch.tensor(rows), torch.cat(lens)
-    out = cpu_attention.paged_attention_prefill(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa)
+    out = cpu_attention.paged_attention(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa,
+                                        prefill=True)
     torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=1e-4)
     # The same bits as the decode kernel's, token by token (batch-invariant mode relies on it).
-    decode = cpu_attention.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa)
+    decode = cpu_attention.paged_attention(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa)
     assert torch.equal(out, decode)
     if isa == selected_isa():
         md = AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.int64), num_decode_tokens=0, prefills=[],
