@@ -123,8 +123,8 @@ class ModelRunner:
         self.use_c_prefill = self.use_c_decode and cpu_attention.supports_prefill(
             self.model_config.head_dim, self.block_size
         )
-        # Batch-invariant mode: every token through the decode kernel, every
-        # GEMM through the C kernel (config.deterministic).
+        # Batch-invariant mode: every token's attention summed as the decode
+        # kernel sums it, every GEMM through the C kernel (config.deterministic).
         self.deterministic = config.deterministic
         if self.deterministic and not (self.use_c_decode and cpu_gemm.available()):
             raise InvalidParameterError(
