@@ -353,11 +353,16 @@ def test_routes_that_change_the_engine_reach_every_replica(
     assert handle.is_paused.remote().result() is False
 
 
-def _kill_the_busy_server() -> int:
-    """SIGKILL the one server replica running requests now; their number."""
-    busy = []
+def _live_servers() -> list[Any]:
+    """The server replicas alive now (Ray's state API: slow on a busy machine)."""
     alive = [("class_name", "=", "ServeReplica:kvr:LLMServer"), ("state", "=", "ALIVE")]
-    for actor in list_actors(address=ray.get_runtime_context().gcs_address, filters=alive):
+    return list_actors(address=ray.get_runtime_context().gcs_address, filters=alive)
+
+
+def _kill_the_busy_server(servers: list[Any]) -> int:
+    """SIGKILL the one server replica of `servers` running requests now; their number."""
+    busy = []
+    for actor in servers:
         try:
             report = ray.get(ray.get_actor(actor.name, namespace="serve").record_routing_stats.remote())
         except ray.exceptions.RayTaskError as e:
@@ -398,11 +403,14 @@ def _streams_cut_by_a_kill(readers: list[Reader]) -> tuple[int, list[list[Any]]]
     """The readers' streams (one session, so one server), that server
     killed once each has its first part: how many requests it was running,
     and what each reader read."""
+    # Listed before the streams start: the state API can take seconds on a
+    # busy machine, time in which the streams would run on (and may end).
+    servers = _live_servers()
     barrier = threading.Barrier(len(readers) + 1)
     with ThreadPoolExecutor(len(readers)) as pool:
         reads = [pool.submit(read, barrier) for read in readers]
         barrier.wait(timeout=60)
-        running = _kill_the_busy_server()
+        running = _kill_the_busy_server(servers)
         return running, [f.result() for f in reads]
 
 
