@@ -9,6 +9,7 @@ from functools import lru_cache
 import torch
 
 from rayvllm.kernels.cbuild import load_library
+from rayvllm.kernels.cpu_isa import selected_isa
 
 # Reassociation lets the dot products vectorise (summation order differs from
 # torch's in the last bits, like any other attention kernel); no -ffast-math,
@@ -39,8 +40,11 @@ def supports(head_size: int, block_size: int) -> bool:
 
 
 def supports_prefill(head_size: int, block_size: int) -> bool:
-    """Shapes the prefill kernel handles: block size 16, head size a multiple of 16."""
-    return block_size == 16 and head_size % 16 == 0 and available()
+    """Where the engine runs the prefill kernel: block size 16, head size a
+    multiple of 16, and the AVX-512 build. The AVX2 and portable builds are
+    correct but slower than torch's SDPA (docs/BENCHMARKS.md), so prefills
+    stay on SDPA there."""
+    return block_size == 16 and head_size % 16 == 0 and selected_isa() == "avx512" and available()
 
 
 def paged_attention(
