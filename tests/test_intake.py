@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
 from rayvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayvllm.engine.core_client import EngineCoreClient
+from rayvllm.engine import core_loop
 from rayvllm.engine.core_loop import EngineCoreLoop
 from rayvllm.engine.engine_core import EngineCore
 from rayvllm.engine.intake import RequestIntake
@@ -29,7 +31,7 @@ from rayvllm.messages.engine_types import (
     PrefixCacheStats,
     SchedulerStats,
 )
-from rayvllm.messages.request import EngineCoreRequest
+from rayvllm.messages.request import EngineCoreRequest, FinishReason
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.messages.scheduler_output import SchedulerOutput
 
@@ -289,6 +291,31 @@ def test_the_engine_loop_pushes_once_per_step_and_blocks_when_idle() -> None:
     ack = conn.recv()
     assert ack.outputs == [] and ack.inputs_applied == 2
     conn.close()  # the client hangs up: the loop ends
+    thread.join(timeout=60.0)
+    assert not thread.is_alive()
+
+
+def test_steps_of_final_only_requests_push_only_a_first_token_and_an_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with nothing for the client pushes nothing (unless the last
+    push is a period old): the first token, then the rest with the end."""
+    monkeypatch.setattr(core_loop, "STATS_PUSH_PERIOD_S", 3600.0)
+    core, ex = make_core(async_scheduling=False)
+    conn, thread = _run_loop(core)
+    conn.recv()
+    conn.send(AddRequests([replace(request("q", max_tokens=5), final_only=True)]))
+    first = conn.recv()
+    assert [(o.new_token_ids, o.finish_reason) for o in first.outputs] == [([7], None)]
+    assert first.inputs_applied == 1 and first.outputs[0].first_scheduled_time is not None
+    last = conn.recv()
+    assert [(o.new_token_ids, o.finish_reason) for o in last.outputs] == [([7, 7, 7, 7], FinishReason.LENGTH)]
+    assert len(ex.steps) == 5 and last.scheduler_stats.num_running_reqs == 0
+    # Stats are never older than the period: at 0, every step pushes again.
+    monkeypatch.setattr(core_loop, "STATS_PUSH_PERIOD_S", 0.0)
+    conn.send(AddRequests([replace(request("r", max_tokens=3), final_only=True)]))
+    pushes = [conn.recv() for _ in range(3)]
+    assert [[o.new_token_ids for o in p.outputs] for p in pushes] == [[[7]], [], [[7, 7]]]
+    assert len(ex.steps) == 8
+    conn.close()
     thread.join(timeout=60.0)
     assert not thread.is_alive()
 

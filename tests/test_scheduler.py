@@ -39,6 +39,7 @@ def make_request(
     arrival: float = 0.0,
     parent: str | None = None,
     stop_ids: tuple[int, ...] = (),
+    final_only: bool = False,
 ) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=list(stop_ids))
     return Request(
@@ -50,6 +51,7 @@ def make_request(
             arrival_time=arrival,
             priority=priority,
             parent_request_id=parent,
+            final_only=final_only,
         )
     )
 
@@ -115,6 +117,20 @@ def test_length_and_stop_token_finish_free_blocks() -> None:
     so = sched.schedule()
     assert so.finished_req_ids == {"a", "b"}
     assert sched.kv_cache_manager.usage == 0.0
+
+
+def test_a_final_only_request_emits_its_first_token_then_the_rest_at_its_end() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("q", [1, 2, 3], max_tokens=5, stop_ids=(9,), final_only=True))
+    sched.add_request(make_request("a", [4, 5, 6], max_tokens=5))
+    emitted: dict[str, list[tuple[list[int], FinishReason | None]]] = {"q": [], "a": []}
+    for token in (20, 21, 22, 9):
+        _, outs = step(sched, token=token)
+        for o in outs:
+            emitted[o.request_id].append((o.new_token_ids, o.finish_reason))
+    assert emitted["a"] == [([20], None), ([21], None), ([22], None), ([9], None)]
+    # Ended by its stop token, with every token since its first.
+    assert emitted["q"] == [([20], None), ([21, 22, 9], FinishReason.STOP)]
 
 
 def test_preemption_recomputes_latest_arrival() -> None:

@@ -40,6 +40,10 @@ class Request:
         # Scheduler bookkeeping for parallel groups: output tokens already
         # sent to the non-sampling ranks, and scheduled steps not yet returned.
         self.num_output_tokens_sent = 0
+        # A `final_only` request's tokens reach the client in two outputs:
+        # its first and, at the end, the rest; this counts those it has.
+        self.final_only = core_req.final_only
+        self.num_output_tokens_emitted = len(self.output_token_ids)
         self.num_inflight_steps = 0
         self.num_output_placeholders = 0
         # Drafts the worker proposed for this request's next step.
@@ -49,10 +53,13 @@ class Request:
         assert core_req.sampling_params.max_tokens is not None
         self.max_tokens: int = core_req.sampling_params.max_tokens
 
-    def resumed(self) -> EngineCoreRequest:
-        """This request as a new engine core would take it: the prompt and
-        the tokens produced so far (recomputed as context)."""
-        return replace(self._core_request, output_token_ids=list(self.output_token_ids))
+    def moved(self) -> "Request":
+        """This request for a fresh scheduler (its rank's KV cache died): the
+        prompt and the tokens produced so far, recomputed as context; the
+        tokens its client was sent stay counted."""
+        moved = Request(replace(self._core_request, output_token_ids=list(self.output_token_ids)))
+        moved.num_output_tokens_emitted = self.num_output_tokens_emitted
+        return moved
 
     @property
     def num_tokens(self) -> int:

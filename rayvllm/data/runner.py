@@ -85,7 +85,7 @@ class RowRunner:
             params = pooling_params(fields) if self.embed else sampling_params(fields)
             stream = self.engine.add_request(
                 prompt, params, f"row-{next(self._ids)}", add_special_tokens=add_special_tokens,
-                output_kind=RequestOutputKind.FINAL_ONLY, lora_request=self._lora(fields),
+                output_kind=RequestOutputKind.FINAL_ONLY, lora_request=self._lora(fields), final_only=True,
             )
         except ROW_ERRORS as e:
             return row_error(e)

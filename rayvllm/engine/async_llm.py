@@ -28,7 +28,7 @@ from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.engine.weight_sync import sync_weights
 from rayvllm.frontend.metrics import EngineMetrics
-from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.frontend.output_processor import OutputProcessor, mark_final_only
 from rayvllm.frontend.processor import Processor, PromptType
 from rayvllm.messages.block_hash import cached_prefix_tokens, prefix_routing_keys, request_extra_keys
 from rayvllm.messages.engine_types import EngineCoreOutput, SchedulerStats
@@ -188,6 +188,7 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
         resume: ResumePoint | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
         """Validate and admit the request now, on the event loop, and return
         its stream: invalid input, overload or a dead engine raise here,
@@ -196,7 +197,10 @@ class AsyncLLM:
         owns the stream and must `aclose()` it (closing before the end
         aborts the request). `resume`: the request continues a stream that
         another engine began (n=1, DELTA outputs): its outputs start after
-        the tokens and text the client has (`ResumePoint`)."""
+        the tokens and text the client has (`ResumePoint`). `final_only`
+        as for `LLMEngine.add_request`: the caller reads only the finished
+        output (a batch row, a handle's `generate`), and an aborted
+        request's output holds its first token alone."""
         self._ensure_running()
         if request_id in self._queues:
             raise InvalidParameterError("request_id", f"request {request_id!r} is already running")
@@ -211,6 +215,8 @@ class AsyncLLM:
         )
         if resume is not None:
             _resume_at(core_reqs, resume, output_kind, self.max_model_len)
+        if final_only:
+            core_reqs = mark_final_only(core_reqs, output_kind)
         prompt_tokens = sum(len(r.prompt_token_ids) for r in core_reqs)
         limit = self.max_pending_prompt_tokens
         if limit is not None and self._unprefilled and self._unprefilled_tokens + prompt_tokens > limit:
@@ -254,15 +260,16 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
         resume: ResumePoint | None = None,
+        final_only: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (DELTA by default; FINAL_ONLY yields
         the finished output alone) until it finishes: `add_request`, then
         its stream. Leaving the generator early (`aclose`, cancellation, a
         dropped client) aborts the request, which frees its KV blocks at
-        the next step. `resume` as for `add_request`."""
+        the next step. `resume` and `final_only` as for `add_request`."""
         stream = self.add_request(
             prompt, params, request_id, add_special_tokens=add_special_tokens, priority=priority,
-            output_kind=output_kind, lora_request=lora_request, resume=resume,
+            output_kind=output_kind, lora_request=lora_request, resume=resume, final_only=final_only,
         )
         try:
             async for out in stream:

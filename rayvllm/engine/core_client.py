@@ -5,9 +5,9 @@ which kind.
 Either way the core is driven by its own loop (core_loop.py), never by the
 client: inputs (`AddRequests`, `AbortRequests`) go out on one connection
 the moment the caller makes them, from any thread, in order; the loop
-pushes `EngineCoreOutputs` after every step on its own, so `step` here only
-reads what was pushed, and the loop's next step already runs while the
-caller turns the last one into text. Stats ride along with every push;
+pushes `EngineCoreOutputs` on its own after each step that has something
+for the client, so `step` here only reads what was pushed, and the loop's
+next step already runs while the caller turns the last one into text. Stats ride along with every push;
 `make_stats` costs no round trip. A new request's full data goes out once;
 the loop's steps then send the workers deltas.
 

@@ -6,9 +6,13 @@ on a thread of the client's process over a local pipe (core_client.py).
 The client never drives steps: it sends inputs (`AddRequests`,
 `AbortRequests`) on one connection, in order, from any thread, and reads
 `EngineCoreOutputs` pushed back on the same connection. The loop drains the
-inputs, steps the core while it has work and pushes after every step, so
+inputs, steps the core while it has work and pushes after a step, so
 the next step is already running while the client turns the last one into
-text; with nothing to do it blocks on the connection.
+text; with nothing to do it blocks on the connection. A step with nothing
+for the client (every running request `final_only`, no input applied)
+pushes nothing unless the last push is `STATS_PUSH_PERIOD_S` old: on the
+Ray path each push wakes the client's process, whose work then takes a
+core from the forward (docs/BENCHMARKS.md).
 
 Utility calls (the control plane: `collective_rpc`, weight updates, pause,
 sleep) do not come on the connection: the client puts them in the intake
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 
 from rayvllm.engine.engine_core import EngineCore
@@ -34,19 +39,26 @@ from rayvllm.messages.errors import EngineDeadError, StepFailedError
 
 logger = logging.getLogger(__name__)
 
+# The longest a stepping loop goes without a push: the stats and block
+# events it carries (metrics, the KV-aware router's view) are never older.
+STATS_PUSH_PERIOD_S = 0.1
+
 
 class EngineCoreLoop:
     """Invariants: inputs are applied in the order the client sent them,
-    each before the first step scheduled after its arrival; every step is
-    followed by exactly one push, which carries the count of inputs applied
-    so far; with no work and no input the loop blocks, never spins. It ends
-    when the client hangs up; on an error it pushes `EngineCoreFailure`
-    first."""
+    each before the first step scheduled after its arrival; a push carries
+    the count of inputs applied so far, and a step is followed by one
+    whenever it has outputs, applied an input since the last push, or the
+    last push is `STATS_PUSH_PERIOD_S` old; with no work and no input the
+    loop blocks, never spins. It ends when the client hangs up; on an
+    error it pushes `EngineCoreFailure` first."""
 
     def __init__(self, core: EngineCore, conn: CoreConnection) -> None:
         self.core = core
         self.conn = conn
         self.intake = RequestIntake()
+        self._pushed_applied = -1  # `intake.applied` as of the last push
+        self._pushed_at = 0.0  # time.monotonic() of the last push
 
     def run(self) -> None:
         """Serve until the client hangs up (on the calling thread, one of
@@ -105,7 +117,12 @@ class EngineCoreLoop:
 
     def _step(self) -> None:
         outputs = self.core.step(self.intake)
-        self._push(EngineCoreOutputs(outputs, self._stats(), self.intake.applied))
+        if (
+            outputs
+            or self.intake.applied != self._pushed_applied
+            or time.monotonic() - self._pushed_at >= STATS_PUSH_PERIOD_S
+        ):
+            self._push(EngineCoreOutputs(outputs, self._stats(), self.intake.applied))
 
     def _stats(self) -> SchedulerStats:
         """Each push carries the block events since the previous one."""
@@ -123,6 +140,9 @@ class EngineCoreLoop:
 
     def _push(self, message: EngineCoreOutputs | EngineCoreFailure) -> None:
         self.conn.send(message)
+        if isinstance(message, EngineCoreOutputs):
+            self._pushed_applied = message.inputs_applied
+            self._pushed_at = time.monotonic()
 
     def _take(self, message: EngineCoreInput | list[EngineCoreInput]) -> None:
         if isinstance(message, list):

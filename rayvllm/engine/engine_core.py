@@ -418,7 +418,7 @@ class EngineCore:
         scheduler = self.schedulers[rank] = self._make_scheduler(rank)
         scheduler.num_preemptions = preempted  # a cumulative count the metrics difference
         for request in live:
-            scheduler.add_request(Request(request.resumed()))
+            scheduler.add_request(request.moved())
         self.recoveries[rank] = RankRecovery(
             rank, self.executors[rank], lambda: self.executor_factory(rank),
             self.config.cache_config.num_blocks, self._wake, self.rebuild_limits, cause,

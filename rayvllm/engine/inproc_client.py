@@ -68,7 +68,7 @@ class InprocClient(EngineCoreClient):
         if loop is not None and not self._ready():
             loop.run_once()
             if not self._ready():
-                return []  # the loop had no work: nothing will be pushed
+                return []  # no work, or a step with nothing for us: no push
         return super().step()
 
     def _release(self, timeout_s: float) -> None:

@@ -14,7 +14,7 @@ from rayvllm.config import EngineConfig
 from rayvllm.engine.core_client import EngineCoreClient
 from rayvllm.engine.restart_policy import RestartPolicy
 from rayvllm.engine.weight_sync import sync_weights
-from rayvllm.frontend.output_processor import OutputProcessor
+from rayvllm.frontend.output_processor import OutputProcessor, mark_final_only
 from rayvllm.frontend.processor import Processor
 from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, StepFailedError
 from rayvllm.messages.lora_request import LoRARequest
@@ -56,14 +56,22 @@ class LLMEngine:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         lora_request: LoRARequest | None = None,
+        final_only: bool = False,
     ) -> None:
         """Validate, tokenize and enqueue; `n > 1` fans out into child requests
-        that the OutputProcessor gathers back into one RequestOutput."""
+        that the OutputProcessor gathers back into one RequestOutput.
+        `final_only`: the caller reads the request's output only when it
+        has finished, and never an aborted one's (`LLM.generate`): with
+        FINAL_ONLY outputs, no stop strings and no logprobs, the core then
+        sends this process the request's first token and its end only, and
+        an abort's output holds the first token alone."""
         if self._asleep:
             raise InvalidParameterError("engine", "the engine is asleep: wake_up() first")
         core_reqs, prompt_text = self.processor.process_with_fanout(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority, lora_request=lora_request
         )
+        if final_only:
+            core_reqs = mark_final_only(core_reqs, output_kind)
         self.output_processor.add_fanout(request_id, core_reqs, prompt_text, output_kind)
         self._unsent.append(core_reqs)
 

@@ -147,7 +147,8 @@ class LLM:
                     prompt = {"prompt_token_ids": prompt}
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i]
+                    request_id, prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i],
+                    final_only=True,
                 )
                 ids.append(request_id)
         except Exception:

@@ -577,3 +577,21 @@ class OutputProcessor:
             metrics=group.metrics(),
             num_cached_tokens=first.num_cached_tokens if first is not None else None,
         )
+
+
+def mark_final_only(requests: list[EngineCoreRequest], kind: RequestOutputKind) -> list[EngineCoreRequest]:
+    """`requests` marked `final_only` where this side needs nothing from them
+    before they end: a FINAL_ONLY output, no stop string to look for in the
+    text, no logprobs to collect step by step. The core then sends each its
+    first token and its last; a step of such requests pushes nothing."""
+    if kind is not RequestOutputKind.FINAL_ONLY:
+        return requests
+    return [
+        replace(r, final_only=True)
+        if r.pooling_params is None
+        and not r.sampling_params.stop
+        and r.sampling_params.logprobs is None
+        and r.sampling_params.prompt_logprobs is None
+        else r
+        for r in requests
+    ]

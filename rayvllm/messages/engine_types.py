@@ -298,10 +298,12 @@ EngineCoreInput = AddRequests | AbortRequests
 
 @dataclass
 class EngineCoreOutputs:
-    """One push from an engine loop: the outputs of its latest step, the
-    scheduler stats right after it, and how many inputs the loop has
-    applied in all (so the client knows which of its sends are done).
-    `scheduler_stats.prefix_cache_stats` counts since the previous push."""
+    """One push from an engine loop: the outputs of its latest step (the
+    steps since the previous push had none: those may push nothing), the
+    scheduler stats right after it, and how many inputs the
+    loop has applied in all (so the client knows which of its sends are
+    done). `scheduler_stats.prefix_cache_stats` counts since the previous
+    push."""
 
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats

@@ -60,6 +60,12 @@ class EngineCoreRequest:
     computed, with the pooled vector and no token; its `sampling_params`
     (max_tokens=1, no stop ids) only keep the scheduler's length
     bookkeeping uniform: nothing samples with them.
+
+    `final_only`: the client wants the request's tokens only when it ends
+    (set only where it needs nothing per step: no streaming, stop strings
+    or logprobs). The core then sends its first token (its time is the
+    request's TTFT) and, when it finishes, every token since in one output;
+    none in between, so a step whose every request is quiet pushes nothing.
     """
 
     request_id: str
@@ -75,3 +81,4 @@ class EngineCoreRequest:
     pooling_params: PoolingParams | None = None
     # The adapter to run with (None: the base model); checked by the Processor.
     lora_request: LoRARequest | None = None
+    final_only: bool = False

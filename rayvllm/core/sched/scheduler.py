@@ -452,9 +452,11 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             request.append_output_token_ids([token])
             status, stop_reason = self._check_stop(request, token)
+            if request.final_only and not _emits(request, status):
+                continue
             out = EngineCoreOutput(
                 request_id=req_id,
-                new_token_ids=[token],
+                new_token_ids=_take_unemitted(request) if request.final_only else [token],
                 new_logprobs=logprobs.slice(i, i + 1) if logprobs is not None else None,
                 new_prompt_logprobs=prompt_logprobs.get(req_id),
                 num_cached_tokens=request.num_cached_tokens,
@@ -517,17 +519,19 @@ class Scheduler:
                 status, stop_reason = self._check_stop(request, token)
                 if status is not None:
                     break
+            emitted.add(req_id)
+            if request.final_only and not _emits(request, status):
+                continue
             logprobs: LogprobsLists | None = spec.logprobs.get(req_id)
             out = EngineCoreOutput(
                 request_id=req_id,
-                new_token_ids=tokens[:num_kept],
+                new_token_ids=_take_unemitted(request) if request.final_only else tokens[:num_kept],
                 new_logprobs=logprobs.slice(0, num_kept) if logprobs is not None else None,
                 num_cached_tokens=request.num_cached_tokens,
             )
             if status is not None:
                 self._finish_with(request, out, status, stop_reason)
             outputs.append(out)
-            emitted.add(req_id)
         for req_id, drafts in spec.draft_token_ids.items():
             request = None if req_id in stale else self.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING and not request.num_output_placeholders:
@@ -561,3 +565,16 @@ class Scheduler:
             spec_decoding_stats=None if self.spec_decoding_stats is None else self.spec_decoding_stats.copy(),
             kv_offload_stats=self.kv_cache_manager.make_offload_stats(),
         )
+
+
+def _emits(request: Request, status: RequestStatus | None) -> bool:
+    """Whether a `final_only` request sends its tokens this step: its first
+    (the client times the first token) and when it ends."""
+    return status is not None or request.num_output_tokens_emitted == 0
+
+
+def _take_unemitted(request: Request) -> list[int]:
+    """A `final_only` request's tokens since its last output."""
+    tokens = request.output_token_ids[request.num_output_tokens_emitted :]
+    request.num_output_tokens_emitted = request.num_output_tokens
+    return tokens

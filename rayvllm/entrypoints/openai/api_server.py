@@ -358,6 +358,7 @@ class LLMServerImpl:
         async for out in self.engine.generate(
             prompt, _sampling_params(sampling_params), request_id or uuid.uuid4().hex,
             output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora_request or await self._multiplexed_adapter(),
+            final_only=True,
         ):
             final = out
         assert final is not None and final.finished

@@ -66,12 +66,15 @@ class EngineClient(Protocol):
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
         resume: ResumePoint | None = None,
+        final_only: bool = False,
     ) -> OutputStream:
         """Admit the request now and return its stream of outputs (DELTA
         by default): each carries, for the sequences touched in a step,
         only what is new; `finished` is True on the last. Closing the
         stream before its end aborts the request. `resume`: continue a
-        stream another engine began, after what its client has."""
+        stream another engine began, after what its client has.
+        `final_only`: only the finished output is read (FINAL_ONLY), so
+        the engine need not send the tokens in between."""
         ...
 
     def generate(
@@ -85,6 +88,7 @@ class EngineClient(Protocol):
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
         resume: ResumePoint | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """`add_request`'s outputs as an async generator; leaving it early aborts."""
         ...
