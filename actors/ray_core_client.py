@@ -35,7 +35,10 @@ def ensure_ray_initialized(pc: ParallelConfig) -> None:
     """Join the Ray cluster this process can find (RAY_ADDRESS or a local
     `ray start`); otherwise start a local one with at least enough logical
     CPUs for every worker rank, oversubscribing a small machine on purpose
-    (the ranks' torch threads are sized to the real cores)."""
+    (the ranks' torch threads are sized to the real cores), and without the
+    dashboard: its processes wake hundreds of times a second, each time
+    taking a core from the forward on a small machine (docs/BENCHMARKS.md);
+    whoever wants it starts the cluster with `ray start`."""
     if ray.is_initialized():
         return
     try:
@@ -44,7 +47,7 @@ def ensure_ray_initialized(pc: ParallelConfig) -> None:
     except ConnectionError:
         pass
     needed = pc.data_parallel_size * pc.world_size * pc.num_cpus_per_worker
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), log_to_driver=False)
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), log_to_driver=False, include_dashboard=False)
 
 
 class RayEngineCoreClient(EngineCoreClient):
