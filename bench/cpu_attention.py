@@ -129,7 +129,8 @@ def main() -> None:
     print(f"prompt {args.prompt_len} tokens over a {args.prefix_len}-token cached prefix")
     print(format_table(["shape", "path", "ms (median)", "range", "max |err| vs sdpa"], rows))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"cpu": cpu_line(), "args": vars(args), "results": results}, indent=1))
+        payload = {"cpu": cpu_line(), "args": vars(args), "results": results}
+        Path(args.json_out).write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

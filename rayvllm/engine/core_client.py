@@ -7,8 +7,8 @@ client: inputs (`AddRequests`, `AbortRequests`) go out on one connection
 the moment the caller makes them, from any thread, in order; the loop
 pushes `EngineCoreOutputs` on its own after each step that has something
 for the client, so `step` here only reads what was pushed, and the loop's
-next step already runs while the caller turns the last one into text. Stats ride along with every push;
-`make_stats` costs no round trip. A new request's full data goes out once;
+next step already runs while the caller turns the last one into text.
+Stats ride along with every push; `make_stats` costs no round trip. A new request's full data goes out once;
 the loop's steps then send the workers deltas.
 
 `InprocClient` (inproc_client.py) runs the loop in this process over a
