@@ -131,8 +131,10 @@ def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
         body = _curl_completion(proc.base_url)
         assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
         # The replica runs no model, so it never loads torch (whose import
-        # costs every replica start CPU and memory), not even to serve.
-        assert "libtorch" not in Path(f"/proc/{replicas[0]}/maps").read_text()
+        # costs every replica start CPU and memory), not even to serve; nor
+        # does the command that built the app (Ray says which device).
+        for pid in (replicas[0], proc.proc.pid):
+            assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
         _stream_through_sigterm(proc, proc.base_url, DEMO_MODEL_NAME, 400)
     finally:
         proc.stop()

@@ -210,10 +210,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         given["model"] = str(demo_model_path())
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
     if given.get("device", "auto") == "auto":
-        # Resolved here, where the node's devices are seen: the replica then
-        # needs no torch to ask, and its engine goes where its bundles do.
-        given["device"] = engine.resolve_device()
-    options = replica_placement(engine)
+        # Resolved here: the replica then needs no torch to ask, and its
+        # engine goes where its bundles do.
+        given["device"] = serve_device(engine)
+    options = replica_placement(engine, given["device"])
     options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
     options["health_check_period_s"] = server.health_check_period_s
     if server.autoscaling_config is None:
@@ -256,14 +256,25 @@ def kv_router_config(engine: EngineArgs, model: str) -> RequestRouterConfig:
     )
 
 
-def replica_placement(engine: EngineArgs) -> dict[str, Any]:
+def serve_device(engine: EngineArgs) -> str:
+    """The engine's device where a Ray cluster is connected (a Serve config's
+    app is built in a task on it; `serve run serve_app:app` connects before
+    it imports the app): "cuda" when the cluster has GPUs, which is where
+    the replica's bundles can go. Asking Ray spares the build its torch import
+    (the largest part of an app's build). Otherwise torch says."""
+    if engine.device != "auto" or not ray.is_initialized():
+        return engine.resolve_device()
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
+def replica_placement(engine: EngineArgs, device: str | None = None) -> dict[str, Any]:
     """Serve deployment options that reserve each replica's worker bundles
     (TP x PP ranks per DP rank) with the replica, as Ray Serve LLM does:
     Serve places the replica and its workers together, and removes the group
     with the replica, so a replaced or scaled-down replica leaks nothing."""
     pc = engine.create_parallel_config()
     return {
-        "placement_group_bundles": deployment_bundles(pc, engine.resolve_device()),
+        "placement_group_bundles": deployment_bundles(pc, device or serve_device(engine)),
         "placement_group_strategy": pc.placement_group_strategy,
     }
 
