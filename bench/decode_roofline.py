@@ -131,13 +131,15 @@ def copy_bandwidth(device: Any, mib: int) -> float:
     return 2 * n * _COPIES_PER_WINDOW / median(windows)
 
 
-def gemm_peak_flops(device: Any, dtype: str) -> float:
+def gemm_peak_flops(device: Any, dtype: str, divisor: int = 1) -> float:
     """FLOP/s of the best of a few large products in `dtype` (the GEMM peak
-    a decode step's arithmetic can reach here)."""
+    a decode step's arithmetic can reach here); `divisor` shrinks every
+    dimension (a smoke run's probe, not a peak)."""
     import torch
 
     best = 0.0
     for m, n, k in ((1024, 1024, 1024), (512, 4096, 1024), (2048, 2048, 768)):
+        m, n, k = m // divisor, n // divisor, k // divisor
         a = torch.randn(m, k, device=device).to(getattr(torch, dtype))
         b = torch.randn(k, n, device=device).to(getattr(torch, dtype))
         for _ in range(2):
@@ -322,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = copy_bandwidth(device, args.copy_mib)
     weight_bytes = weight_bytes_per_step(model, dtype)
     # The compute floor applies on CPUs (see the module docstring).
-    peak = 0.0 if on_gpu else gemm_peak_flops(device, dtype)
+    peak = 0.0 if on_gpu else gemm_peak_flops(device, dtype, args.gemm_divisor)
     flops_per_row = 2.0 * weight_bytes / getattr(torch, dtype).itemsize
     extra = dict(device=args.device, dtype=dtype, enforce_eager=args.enforce_eager,
                  attention_backend=args.attention_backend)
@@ -401,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: graphs on CUDA)")
     p.add_argument("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe's tensor")
+    p.add_argument("--gemm-divisor", type=int, default=1,
+                   help="on CPUs: divide the GEMM peak probe's dimensions by this (smoke runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     p.add_argument("--profile-out", default=None, help="append a torch.profiler table of 5 more steps per B to FILE")

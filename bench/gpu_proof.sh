@@ -311,7 +311,7 @@ if [ "$SMOKE" = 1 ]; then
     K_SETUP=(-k "test_kv_cache_budget_arithmetic")
     DEVICE=cpu
     B_FIRST=2 B_LATER=3
-    ROOFLINE=(--preset tiny --context-len 12 --steps 2 --warmup-steps 1 --copy-mib 8)
+    ROOFLINE=(--preset tiny --context-len 12 --steps 2 --warmup-steps 1 --copy-mib 8 --gemm-divisor 8)
     SWEEP=(--batch-sizes 2 --context-len 20 --splits 1,2 --block-n 16 --iters 1 --copy-mib 8)
     THROUGHPUT=(--preset tiny --engines rayvllm,transformers --num-seqs 4 --min-len 8 --max-len 16)
 else
