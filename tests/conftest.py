@@ -49,14 +49,14 @@ if TYPE_CHECKING:
 
 # The test session's one local Ray cluster (see `ray_local`). More logical
 # CPUs than cores: every engine rank asks for one, and their torch threads
-# are sized to the real cores. The dashboard serves the state API
-# (ray.util.state) some tests read. The driver joins Serve's namespace (as
+# are sized to the real cores. No dashboard: tests read actors and groups
+# from the GCS (ray_state.py). The driver joins Serve's namespace (as
 # `serve run` does), where a test finds Serve's controller; engine actors
 # name their own namespaces.
 # Processes report their metrics every second, not Ray's 10 (the
 # Prometheus test reads them; nothing else waits on them).
 RAY_LOCAL_INIT: dict[str, object] = dict(
-    address="local", num_cpus=8, include_dashboard=True, log_to_driver=False,
+    address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
     _system_config={"metrics_report_interval_ms": 1000},
 )
 

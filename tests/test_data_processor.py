@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import ray
-import ray.util.state
+import ray_state
 import requests
 from ray.data import DataContext
 
@@ -327,7 +327,7 @@ def test_a_replicas_engine_metrics_reach_rays_prometheus_endpoint(ray_local: Non
         results = [ray.get(ref) for ref in replica.process.remote(rows)]
         generated = float(sum(len(columns["generated_tokens"]) for _, columns in results))
         assert ray.get(replica.export_metrics.remote()) > 0
-        name = ray.util.state.get_actor(replica._actor_id.hex(), address=ray.get_runtime_context().gcs_address).name
+        name = ray_state.actor(replica._actor_id.hex()).name
         [node] = [n for n in ray.nodes() if n["Alive"]]
         url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
         series = re.compile(r"^ray_rayvllm_generation_tokens_total\{(?P<tags>[^}]*)\} (?P<value>\S+)$", re.M)

@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray.util.state import list_actors, list_placement_groups  # noqa: E402
+import ray_state  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.messages.outputs import RequestOutputKind  # noqa: E402
@@ -153,19 +153,10 @@ def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path],
         llm.shutdown()
 
 
-def _live_groups() -> dict[str, str]:
-    """Placement group id -> name, of groups not removed."""
-    address = ray.get_runtime_context().gcs_address  # this test's cluster, even with another on the machine
-    return {p.placement_group_id: p.name for p in list_placement_groups(address=address) if p.state != "REMOVED"}
-
-
 def _alive_rayvllm_actors() -> dict[str, str]:
     """Actor id -> class name, of engine actors not dead."""
-    return {
-        a.actor_id: a.class_name
-        for a in list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "!=", "DEAD")])
-        if a.class_name in ("SchedulerActor", "WorkerActor")
-    }
+    return {a.actor_id: a.class_name for a in ray_state.actors()
+            if a.class_name in ("SchedulerActor", "WorkerActor") and a.state != "DEAD"}
 
 
 @pytest.mark.parametrize(
@@ -190,16 +181,15 @@ def test_shutdown_leaves_nothing_behind(
 
     model_dir = models["llama-gqa"]
     # The cluster is shared: what other tests left dying is not this engine's.
-    actors_before, groups_before = _alive_rayvllm_actors(), _live_groups()
+    actors_before, groups_before = _alive_rayvllm_actors(), ray_state.live_placement_groups()
     llm = LLM(str(model_dir), **parallel, **ENGINE)
     ours = {k: v for k, v in _alive_rayvllm_actors().items() if k not in actors_before}
     assert sorted(ours.values()) == actors
-    pgs = {k: v for k, v in _live_groups().items() if k not in groups_before}
+    pgs = {k: v for k, v in ray_state.live_placement_groups().items() if k not in groups_before}
     assert len(pgs) == 1 and next(iter(pgs.values())).startswith(group)
     # torch (its import's CPU and memory) only in processes that run the
     # model: every rank, and the SchedulerActor only where it hosts one.
-    alive = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "!=", "DEAD")])
-    pids = {a.actor_id: a.pid for a in alive if a.actor_id in ours}
+    pids = {a.actor_id: a.pid for a in ray_state.actors() if a.actor_id in ours}
     for actor_id, name in ours.items():
         loads_torch = "libtorch" in Path(f"/proc/{pids[actor_id]}/maps").read_text()
         assert loads_torch == (name == "WorkerActor" or len(actors) == 1), name
@@ -219,4 +209,4 @@ def test_shutdown_leaves_nothing_behind(
             break
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
     assert not ours.keys() & _alive_rayvllm_actors().keys()
-    assert not pgs.keys() & _live_groups().keys()
+    assert not pgs.keys() & ray_state.live_placement_groups().keys()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
-import ray.util.state
+import ray_state
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
@@ -25,12 +25,6 @@ ENGINE = dict(max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=4 << 20)
 
 def greedy(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-
-
-def _gcs() -> str:
-    """This test's own cluster, even if another runs on the machine (the
-    state API would otherwise pick one, or refuse to choose)."""
-    return ray.get_runtime_context().gcs_address
 
 
 @pytest.fixture()
@@ -62,7 +56,7 @@ def test_tp2_ranks_take_the_named_bundles_and_leave_the_group(
         group_id = trainer_group.id.hex()
         bundles = []
         for actor in llm.collective_rpc(actor_id):
-            state = ray.util.state.get_actor(actor, address=_gcs())
+            state = ray_state.actor(actor)
             assert state.placement_group_id == group_id
             # Ray names a bundle's resources `CPU_group_<bundle>_<group id>`.
             bundles += [
@@ -95,14 +89,14 @@ def test_tp2_ranks_take_the_named_bundles_and_leave_the_group(
 def test_bad_bundle_lists_are_refused_before_anything_starts(
     trainer_group: PlacementGroup, tiny_model_dir: Path, indices: list[int], message: str
 ) -> None:
-    actors_before = len(ray.util.state.list_actors(address=_gcs(), filters=[("state", "=", "ALIVE")]))
+    actors_before = len(ray_state.actors(state="ALIVE"))
     with pytest.raises(InvalidParameterError, match=message) as info:
         LLM(
             model=str(tiny_model_dir), tensor_parallel_size=2, placement_group=trainer_group,
             placement_group_bundle_indices=indices, **ENGINE,
         )
     assert info.value.param == "placement_group_bundle_indices"
-    assert len(ray.util.state.list_actors(address=_gcs(), filters=[("state", "=", "ALIVE")])) == actors_before
+    assert len(ray_state.actors(state="ALIVE")) == actors_before
 
 
 def test_a_placement_group_needs_the_ray_backend(tiny_model_dir: Path, trainer_group: PlacementGroup) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray.util.state import list_actors, list_placement_groups  # noqa: E402
+import ray_state  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
@@ -59,7 +59,7 @@ def ray_local(hang_flag: Path, die_in_start_flag: Path, ray_private: None) -> It
     tests_dir = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, HANG_FLAG_ENV: str(hang_flag), DIE_IN_START_FLAG_ENV: str(die_in_start_flag)}
-    ray.init(address="local", num_cpus=4, log_to_driver=False, runtime_env={"worker_process_setup_hook": "fault_hooks.install", "env_vars": env})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"worker_process_setup_hook": "fault_hooks.install", "env_vars": env})
     yield
     ray.shutdown()
 
@@ -72,14 +72,12 @@ def undisturbed(tiny_model_dir: Path) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _live_groups() -> list[object]:
-    return [p for p in list_placement_groups(address=ray.get_runtime_context().gcs_address) if p.state != "REMOVED"]
+def _live_groups() -> list[str]:
+    return list(ray_state.live_placement_groups())
 
 
-def _alive(class_name: str) -> list[object]:
-    # This test's own cluster, even if another runs on the machine.
-    address = ray.get_runtime_context().gcs_address
-    return list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
+def _alive(class_name: str) -> list[ray_state.ActorState]:
+    return ray_state.actors(class_name, "ALIVE")
 
 
 async def _stream_all(engine: AsyncLLM, fault: Callable[[], None]) -> tuple[list[list[int]], int]:

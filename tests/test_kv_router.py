@@ -135,7 +135,7 @@ def test_a_replicas_queue_counts_only_the_prompt_tokens_it_has_not_cached(tiny_m
 ray = pytest.importorskip("ray")
 
 from ray import serve  # noqa: E402
-from ray.util.state import list_actors  # noqa: E402
+import ray_state  # noqa: E402
 
 from rayvllm.entrypoints.serve_builder import build_app  # noqa: E402
 
@@ -276,9 +276,8 @@ def test_a_body_past_grpcs_default_message_size_reaches_a_server(
 
 
 def _kill(class_name: str) -> None:
-    for actor in list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")]):
-        if actor.class_name == class_name:
-            os.kill(actor.pid, signal.SIGKILL)
+    for actor in ray_state.actors(class_name, "ALIVE"):
+        os.kill(actor.pid, signal.SIGKILL)
 
 
 def test_a_restarted_router_rebuilds_its_index_from_the_replicas_reports(
@@ -318,8 +317,7 @@ def _health(url: str) -> int:
 
 
 def _replica_reports() -> list[dict]:
-    alive = [("class_name", "=", "ServeReplica:kvr:LLMServer"), ("state", "=", "ALIVE")]
-    actors = list_actors(address=ray.get_runtime_context().gcs_address, filters=alive)
+    actors = ray_state.actors("ServeReplica:kvr:LLMServer", "ALIVE")
     return [ray.get(ray.get_actor(a.name, namespace="serve").record_routing_stats.remote()) for a in actors]
 
 
@@ -353,10 +351,9 @@ def test_routes_that_change_the_engine_reach_every_replica(
     assert handle.is_paused.remote().result() is False
 
 
-def _live_servers() -> list[Any]:
-    """The server replicas alive now (Ray's state API: slow on a busy machine)."""
-    alive = [("class_name", "=", "ServeReplica:kvr:LLMServer"), ("state", "=", "ALIVE")]
-    return list_actors(address=ray.get_runtime_context().gcs_address, filters=alive)
+def _live_servers() -> list[ray_state.ActorState]:
+    """The server replicas alive now."""
+    return ray_state.actors("ServeReplica:kvr:LLMServer", "ALIVE")
 
 
 def _kill_the_busy_server(servers: list[Any]) -> int:
