@@ -22,6 +22,7 @@ class ActorState:
     name: str
     state: str  # "ALIVE", "DEAD", "PENDING_CREATION", ...
     pid: int
+    node_id: str
     placement_group_id: str  # "" outside a group
     required_resources: dict[str, float]
 
@@ -35,6 +36,7 @@ def _parse(raw: bytes) -> ActorState:
         name=data.name,
         state=gcs_pb2.ActorTableData.ActorState.Name(data.state),
         pid=data.pid,
+        node_id=data.address.node_id.hex(),
         placement_group_id=data.placement_group_id.hex(),
         required_resources=dict(data.required_resources),
     )

@@ -7,7 +7,6 @@ the lost engine is left behind."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +16,12 @@ import ray
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.state import list_actors, list_placement_groups  # noqa: E402
+import ray_state  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.actors.factory import async_llm_from_engine_args  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.messages.errors import EngineDeadError  # noqa: E402
-from rayvllm.utils.network import free_port  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 3)]
@@ -33,42 +31,25 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 @pytest.fixture(scope="module")
 def cluster(ray_private: None) -> Iterator[tuple[Cluster, list[object]]]:
     # The head runs no work (as a cloud head node often does); each worker
-    # node has room for the engine (world size 1: one actor, one CPU). Its
-    # dashboard (the state API's server) on a free port: `Cluster` asks for
-    # Ray's fixed 8265 and does without a dashboard when another test
-    # worker's cluster holds it.
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "dashboard_port": free_port()})
+    # node has room for the engine (world size 1: one actor, one CPU). No
+    # dashboard: actors and groups are read from the GCS (ray_state.py).
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
     c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     try:
-        # The state API asks the head's dashboard, which registers in the GCS a
-        # while after the head is up (on a busy machine, after the engine starts:
-        # "Could not read 'dashboard' from GCS").
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                _groups()
-                break
-            except ConnectionError:
-                assert time.monotonic() < deadline, "the head's dashboard never registered"
-                time.sleep(0.2)  # polling the head's start, not synchronisation
         yield c, nodes
     finally:
         ray.shutdown()
         c.shutdown()
 
 
-def _schedulers() -> list[object]:
-    """This test's cluster's live SchedulerActors (asked by address: another
-    Ray may run on the machine)."""
-    address = ray.get_runtime_context().gcs_address
-    return list_actors(address=address, filters=[("class_name", "=", "SchedulerActor"), ("state", "=", "ALIVE")])
+def _schedulers() -> list[ray_state.ActorState]:
+    return ray_state.actors("SchedulerActor", "ALIVE")
 
 
-def _groups() -> list[object]:
-    address = ray.get_runtime_context().gcs_address
-    return [p for p in list_placement_groups(address=address) if p.state != "REMOVED"]
+def _groups() -> list[str]:
+    return list(ray_state.live_placement_groups())
 
 
 def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[object]], tiny_model_dir: Path) -> None:
@@ -84,7 +65,7 @@ def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[objec
         )
         try:
             (first,) = _schedulers()
-            victim = next(n for n in nodes if n.node_id == first.node_id)  # type: ignore[attr-defined]
+            victim = next(n for n in nodes if n.node_id == first.node_id)
             tokens: list[list[int]] = [[] for _ in PROMPTS]
 
             async def consume(i: int) -> None:
