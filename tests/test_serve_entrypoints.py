@@ -191,6 +191,27 @@ def test_build_app_health_check_period() -> None:
     assert period(replicas) == 2.0
 
 
+@pytest.mark.parametrize("gpus,device", [(0, "cpu"), (2, "cuda")])
+def test_a_ray_connected_build_takes_the_device_from_the_cluster(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, device: str
+) -> None:
+    """Connected to a cluster (a config's build task, `serve run`'s own
+    cluster), `device=auto` is "cuda" exactly when the cluster has GPUs, as
+    the replica's bundles then reserve them; an explicit device stands."""
+    import ray
+
+    from rayvllm.entrypoints import serve_builder
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, **({"GPU": float(gpus)} if gpus else {})})
+    replica = serve_builder.build_app({})._bound_deployment  # type: ignore[attr-defined]
+    assert replica.init_args[0]["device"] == device
+    bundles = replica._replica_config.placement_group_bundles
+    assert any("GPU" in bundle for bundle in bundles) == (device == "cuda"), bundles
+    explicit = serve_builder.build_app({"device": "cpu"})._bound_deployment  # type: ignore[attr-defined]
+    assert explicit.init_args[0]["device"] == "cpu"
+
+
 @pytest.mark.parametrize("args,target", [
     (["serve_app:app"], "serve_app:app"),
     (["--app-dir", ".", "serve_app:build_app", "model=m"], "serve_app:build_app"),
