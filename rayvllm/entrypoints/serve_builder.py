@@ -209,10 +209,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if engine.model is None:
         given["model"] = str(demo_model_path())
         given.setdefault("served_model_name", DEMO_MODEL_NAME)
-    if given.get("device", "auto") == "auto":
-        # Resolved here: the replica then needs no torch to ask, and its
-        # engine goes where its bundles do.
-        given["device"] = serve_device(engine)
+    # Resolved here: the replica then needs no torch to ask, and its engine
+    # goes where its bundles do.
+    given["device"] = serve_device(engine)
     options = replica_placement(engine, given["device"])
     options["graceful_shutdown_timeout_s"] = server.drain_timeout_s
     options["health_check_period_s"] = server.health_check_period_s
