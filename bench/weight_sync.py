@@ -18,7 +18,12 @@ The trainer is this process, holding the model's Hugging Face state dict
   puts it once, as `HostWeights`); `ray.put(HostWeights.of(dict))` by the
   trainer, then `sync_weights(ref)`; and a plain `ray.put(dict)` of the
   torch tensors, then `sync_weights(ref)` (Ray pickles each tensor);
-- gloo: `sync_weights(dict, backend="gloo")` (a broadcast from this process).
+- gloo: `sync_weights(dict, backend="gloo")` (a broadcast from this process);
+- transport alone, what each backend costs before any engine touches the
+  bytes (`--engine ray` only): a broadcast of the dict over a gloo group to
+  another process, received into buffers it allocated once; and
+  `ray.put(HostWeights.of(dict))` fetched by another process and copied
+  once into such buffers (the copy every load makes anyway).
 
 `--engine ray` runs the worker in its own process on Ray (the scheduler
 actor hosts it at world size 1), where the object store and the broadcast
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +50,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import build_model, cpu_line, ensure_repo_on_path, format_table  # noqa: E402
 
 
-def _timed(run: Callable[[], object], repeats: int) -> float:
-    """The median of `repeats` timed runs after one untimed run: an RL loop
-    syncs after every step, and the first sync pays once for what later
-    ones reuse (the worker's first touch of its buffers, the object store's
-    first pages)."""
-    run()
+def _timed(run: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """The median of `repeats` timed runs after `warmup` untimed ones: an RL
+    loop syncs after every step, and the first syncs pay once for what later
+    ones reuse (the worker's first touch of its buffers; the object store's
+    first pages, for as many puts as it takes before the store reuses the
+    memory of freed ones: `RAY_WARMUP`)."""
+    for _ in range(warmup):
+        run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# Puts of the whole state dict before the object store hands out memory it
+# has handed out before (a freed object's memory is reused once Ray has
+# dropped its last reference, which lags a sync by a put or two).
+RAY_WARMUP = 3
 
 
 def _reload_from(path: str) -> Callable[[Any], None]:
@@ -65,6 +79,64 @@ def _reload_from(path: str) -> Callable[[Any], None]:
         worker.runner.reload_weights(iterate_weights(Path(path), worker.runner.dtype))
 
     return reload
+
+
+def _transport_rows(weights: dict[str, Any], repeats: int) -> dict[str, float]:
+    """The two backends' transports alone, from this process to another."""
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    from rayvllm import HostWeights
+    from rayvllm.utils.network import free_port
+
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        """A process of its own with a buffer per tensor, allocated once."""
+
+        def __init__(self) -> None:
+            self.buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
+
+        def join(self, port: int) -> None:
+            store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+            self.group = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=600))
+
+        def receive(self) -> None:
+            _broadcast(self.group, self.buffers)
+
+        def take(self, refs: list[Any]) -> None:
+            for buffer, tensor in zip(self.buffers, ray.get(refs[0]).tensors().values()):
+                buffer.copy_(tensor)
+
+    receiver = Receiver.remote()
+    port = free_port()
+    joined = receiver.join.remote(port)
+    group = dist.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, is_master=True), 0, 2, timedelta(seconds=600))
+    ray.get(joined)
+    tensors = list(weights.values())
+
+    def gloo() -> None:
+        received = receiver.receive.remote()
+        _broadcast(group, tensors)
+        ray.get(received)
+
+    rows = {"gloo transport alone": _timed(gloo, repeats)}
+    rows["ray transport alone (put + get + one copy)"] = _timed(
+        lambda: ray.get(receiver.take.remote([ray.put(HostWeights.of(weights))])), repeats, RAY_WARMUP
+    )
+    ray.kill(receiver)
+    return rows
+
+
+def _broadcast(group: Any, tensors: list[Any]) -> None:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    for tensor in tensors:
+        group.broadcast([tensor], options).wait()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,16 +188,18 @@ def main(argv: list[str] | None = None) -> None:
         if backend == "ray":
             if args.engine == "ray":  # in process, this is the load only
                 rows["ray (dict; the client puts)"] = _timed(
-                    lambda: llm.sync_weights(weights, backend="ray"), args.repeats
+                    lambda: llm.sync_weights(weights, backend="ray"), args.repeats, RAY_WARMUP
                 )
             rows["ray (put HostWeights + sync)"] = _timed(
-                lambda: llm.sync_weights(ray.put(HostWeights.of(weights)), backend="ray"), args.repeats
+                lambda: llm.sync_weights(ray.put(HostWeights.of(weights)), backend="ray"), args.repeats, RAY_WARMUP
             )
             rows["ray (put state dict + sync)"] = _timed(
-                lambda: llm.sync_weights(ray.put(weights), backend="ray"), args.repeats
+                lambda: llm.sync_weights(ray.put(weights), backend="ray"), args.repeats, RAY_WARMUP
             )
         else:
             rows[backend] = _timed(lambda: llm.sync_weights(weights, backend=backend), args.repeats)
+    if args.engine == "ray":
+        rows.update(_transport_rows(weights, args.repeats))
     after = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     llm.shutdown()
     if ray.is_initialized():
