@@ -351,17 +351,21 @@ def test_routes_that_change_the_engine_reach_every_replica(
     assert handle.is_paused.remote().result() is False
 
 
-def _live_servers() -> list[ray_state.ActorState]:
-    """The server replicas alive now."""
-    return ray_state.actors("ServeReplica:kvr:LLMServer", "ALIVE")
+def _live_servers() -> list[tuple[int, Any]]:
+    """The server replicas alive now: each one's pid and actor handle."""
+    return [(a.pid, ray.get_actor(a.name, namespace="serve"))
+            for a in ray_state.actors("ServeReplica:kvr:LLMServer", "ALIVE")]
 
 
-def _kill_the_busy_server(servers: list[Any]) -> int:
-    """SIGKILL the one server replica of `servers` running requests now; their number."""
+def _kill_the_busy_server(servers: list[tuple[int, Any]]) -> int:
+    """SIGKILL the one server replica of `servers` running requests now;
+    their number. Every server is asked at once: the streams run on while
+    the answers come."""
+    asked = [(pid, handle.record_routing_stats.remote()) for pid, handle in servers]
     busy = []
-    for actor in servers:
+    for pid, answer in asked:
         try:
-            report = ray.get(ray.get_actor(actor.name, namespace="serve").record_routing_stats.remote())
+            report = ray.get(answer)
         except ray.exceptions.RayTaskError as e:
             # The replacement of a server an earlier test killed, still
             # starting: it runs nothing.
@@ -370,7 +374,7 @@ def _kill_the_busy_server(servers: list[Any]) -> int:
             continue
         running = decode_report(report)[0].num_running
         if running:
-            busy.append((actor.pid, running))
+            busy.append((pid, running))
     assert len(busy) == 1, busy
     os.kill(busy[0][0], signal.SIGKILL)
     return busy[0][1]
@@ -400,8 +404,9 @@ def _streams_cut_by_a_kill(readers: list[Reader]) -> tuple[int, list[list[Any]]]
     """The readers' streams (one session, so one server), that server
     killed once each has its first part: how many requests it was running,
     and what each reader read."""
-    # Listed before the streams start: the state API can take seconds on a
-    # busy machine, time in which the streams would run on (and may end).
+    # Listed (and their handles found) before the streams start: on a busy
+    # machine that can take seconds, in which the streams would run on (and
+    # may end).
     servers = _live_servers()
     barrier = threading.Barrier(len(readers) + 1)
     with ThreadPoolExecutor(len(readers)) as pool:
