@@ -46,8 +46,12 @@ def held_port(pair: bool = False) -> int:
     this process until a `ServeProcess` on it starts (it releases them)."""
     while True:
         first = socket.socket()
-        first.bind(("127.0.0.1", 0))
-        port = first.getsockname()[1]
+        port = free_port()  # below the ephemeral range: no outgoing connection takes it once released
+        try:
+            first.bind(("127.0.0.1", port))
+        except OSError:
+            first.close()
+            continue  # taken since: pick another
         held = [first]
         if pair:
             second = socket.socket()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from rayvllm.entrypoints.openai.streams import SSE_DONE
 from rayvllm.frontend.processor import Processor, PromptType
 from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError, PromptTooLongError
 from rayvllm.messages.lora_request import LoRARequest
-from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput
+from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
@@ -81,14 +82,17 @@ class FakeStream:
 
 
 class FakeEngine(ProcessorEngine):
-    """`EngineClient` with scripted DELTA outputs; records what it was asked
-    and which streams were closed before their end (= aborted)."""
+    """`EngineClient` with scripted outputs, each step's DELTA or, for a
+    FINAL_ONLY request, the steps folded into one at its end; records what
+    it was asked (and how: `kinds`, request id -> (output kind,
+    final_only)) and which streams were closed before their end (= aborted)."""
 
     def __init__(self, processor: Processor, gen: list[list[int]], alt: list[int]) -> None:
         super().__init__(processor, MODEL)
         self.gen = gen
         self.alt = alt
         self.requests: list[EngineCoreRequest] = []
+        self.kinds: dict[str, tuple[RequestOutputKind, bool]] = {}
         self.finished: list[str] = []
         self.aborted: list[str] = []
         self.fail_after_steps: int | None = None
@@ -101,6 +105,7 @@ class FakeEngine(ProcessorEngine):
     def add_request(
         self, prompt: PromptType, params: SamplingParams, request_id: str, *, add_special_tokens: bool = True,
         lora_request: LoRARequest | None = None, resume: ResumePoint | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA, final_only: bool = False,
     ) -> "FakeStream":
         """Validates at once, as `AsyncLLM.add_request` does (and resumes nothing)."""
         assert resume is None
@@ -108,11 +113,16 @@ class FakeEngine(ProcessorEngine):
             request_id, prompt, params, add_special_tokens=add_special_tokens, lora_request=lora_request
         )
         self.requests.append(request)
-        return FakeStream(self, request_id, self._run(request, Processor.prompt_text(prompt)))
+        self.kinds[request_id] = (output_kind, final_only)
+        outputs = self._run(request, Processor.prompt_text(prompt), output_kind is RequestOutputKind.FINAL_ONLY)
+        return FakeStream(self, request_id, outputs)
 
-    async def _run(self, request: EngineCoreRequest, prompt_text: str | None) -> AsyncIterator[RequestOutput]:
+    async def _run(
+        self, request: EngineCoreRequest, prompt_text: str | None, final: bool
+    ) -> AsyncIterator[RequestOutput]:
         if self.gate is not None:
             await self.gate.wait()
+        steps: list[RequestOutput] = []
         for number, output in enumerate(self._script(request, prompt_text)):
             if self.fail_after_steps is not None and number == self.fail_after_steps:
                 raise EngineDeadError("the engine died")
@@ -120,7 +130,11 @@ class FakeEngine(ProcessorEngine):
                 self.held.put_nowait(request.request_id)
                 await asyncio.Event().wait()  # never set: only closing the stream ends this
             await asyncio.sleep(0)  # a step boundary: the other streams' outputs interleave
-            yield output
+            if not final:
+                yield output
+            steps.append(output)
+        if final:
+            yield _folded(steps)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
@@ -179,6 +193,24 @@ class FakeEngine(ProcessorEngine):
                 finished=step == num_steps - 1,
                 num_cached_tokens=cached_tokens(request.prompt_token_ids),
             )
+
+
+def _folded(steps: list[RequestOutput]) -> RequestOutput:
+    """A request's DELTA outputs as the one FINAL_ONLY output at its end."""
+    choices: dict[int, CompletionOutput] = {}
+    for step in steps:
+        for delta in step.outputs:
+            whole = choices.get(delta.index)
+            if whole is None:
+                choices[delta.index] = replace(delta, token_ids=list(delta.token_ids),
+                                               logprobs=list(delta.logprobs) if delta.logprobs is not None else None)
+                continue
+            whole.text += delta.text
+            whole.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None and whole.logprobs is not None:
+                whole.logprobs.extend(delta.logprobs)
+            whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+    return replace(steps[-1], prompt_logprobs=steps[0].prompt_logprobs, outputs=[choices[i] for i in sorted(choices)])
 
 
 # ---- fixtures and helpers --------------------------------------------------------------
@@ -285,6 +317,24 @@ def test_completion_response_json_and_usage(serving: OpenAIServing, engine: Fake
     }
     assert [r.request_id for r in engine.requests] == ["cmpl-test"]
     assert engine.finished == ["cmpl-test"] and engine.aborted == []
+
+
+def test_a_whole_response_asks_the_engine_for_final_outputs_only(serving: OpenAIServing, engine: FakeEngine) -> None:
+    """Sent whole, a response needs each request's output only at its end
+    (FINAL_ONLY, `final_only`: the engine sends nothing in between); its
+    choices equal what a stream of the same request sends piece by piece."""
+    body = dict(prompt="hello world", n=2, max_tokens=5, logprobs=2)
+    whole = complete(serving, "w", **body)
+    events = stream_events(serving, "s", completion_req(**body, stream=True))
+    assert engine.kinds == {"w": (RequestOutputKind.FINAL_ONLY, True), "s": (RequestOutputKind.DELTA, False)}
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    for event in events[:-1]:
+        for choice in json.loads(event.removeprefix("data: "))["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            tokens.setdefault(choice["index"], []).extend(choice["logprobs"]["tokens"])
+    assert [(c.text, c.logprobs.tokens) for c in whole.choices] == [(texts[i], tokens[i]) for i in (0, 1)]
+    assert whole.usage.completion_tokens == len(tokens[0]) + len(tokens[1])
 
 
 def test_multi_prompt_with_n_choice_indices_and_usage(serving: OpenAIServing, engine: FakeEngine) -> None:

@@ -59,7 +59,7 @@ from rayvllm.entrypoints.openai.template_sandbox import ClientTemplateRenderer
 from rayvllm.entrypoints.openai.tool_parsers import get_tool_parser
 from rayvllm.frontend.processor import PromptType, TokensPrompt
 from rayvllm.messages.errors import InvalidParameterError
-from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput
+from rayvllm.messages.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from rayvllm.messages.sampling_params import SamplingParams
 
 __all__ = ["EventStream", "OpenAIServing"]
@@ -298,6 +298,9 @@ class OpenAIServing:
     ) -> EngineStreams:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         point = resume.point() if resume is not None else None
+        # A response sent whole needs each request's output only at its end:
+        # the engine then sends nothing between its first token and its last.
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         created: list[OutputStream] = []
         _, lora = self.models.resolve(req.model)
         try:
@@ -306,7 +309,7 @@ class OpenAIServing:
                     created.append(
                         self.engine.add_request(
                             prompt, params, engine_id, add_special_tokens=req.add_special_tokens, lora_request=lora,
-                            resume=point,
+                            resume=point, output_kind=kind, final_only=not req.stream,
                         )
                     )
         except BaseException:
