@@ -40,7 +40,8 @@ Workload. For each rate, --num-prompts requests of exactly --input-len random
 token ids (from [10, vocab - 10); vocab from --model's config.json), sent as
 `prompt` token-id arrays so every server gets exactly the same tokens, with
 max_tokens = --output-len, ignore_eos, temperature 0, `stream: true` and
-`stream_options: {include_usage: true}` to POST /v1/completions. Prompts are
+`stream_options: {include_usage: true}` (or, with --no-stream, `stream: false`:
+no TTFT then) to POST /v1/completions. Prompts are
 seeded by (--seed, rate): identical for every server at a rate, but fresh for
 each rate, so a prefix cache never hits across runs (each run would otherwise
 find the previous run's prompts cached and its TTFT would shrink for that
@@ -546,17 +547,20 @@ async def send_request(
     max_tokens: int,
     index: int,
     run_t0: float,
+    stream: bool = True,
 ) -> RequestResult:
-    """POST one streamed completion and time it; never raises (failures are results)."""
+    """POST one completion (streamed unless `stream` is False: then it has
+    no TTFT, only its latency) and time it; never raises (failures are results)."""
     payload = {
         "model": model_name,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
     }
+    if stream:
+        payload["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
     ttft: float | None = None
     choice_chunks = 0
@@ -568,6 +572,10 @@ async def send_request(
             if resp.status != 200:
                 body = await resp.text()
                 error = f"HTTP {resp.status}: {' '.join(body.split())[:200]}"
+            elif not stream:
+                whole = await resp.json()
+                usage, saw_done = whole.get("usage"), True
+                choice_chunks = len(whole.get("choices") or [])
             else:
                 # aiohttp's StreamReader iterates line by line; SSE events are
                 # "data: <json>" lines separated by blank lines.
@@ -596,7 +604,7 @@ async def send_request(
     latency = time.perf_counter() - start
     if error is None and not saw_done:
         error = "stream ended without [DONE]"
-    if error is None and ttft is None:
+    if error is None and ttft is None and stream:
         error = "no chunk with a choice (no TTFT)"
     output_tokens = int(usage.get("completion_tokens") or 0) if usage else choice_chunks
     prompt_tokens = int(usage.get("prompt_tokens") or len(prompt)) if usage else len(prompt)
@@ -637,6 +645,7 @@ async def run_requests(
     max_tokens: int,
     offsets: Sequence[float],
     max_concurrency: int | None,
+    stream: bool = True,
 ) -> tuple[list[RequestResult], float]:
     """Send prompt i at offsets[i] (at most `max_concurrency` in flight); returns (results, duration s)."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -648,9 +657,9 @@ async def run_requests(
         if delay > 0:
             await asyncio.sleep(delay)
         if semaphore is None:
-            return await send_request(session, url, model_name, prompts[i], max_tokens, i, t0)
+            return await send_request(session, url, model_name, prompts[i], max_tokens, i, t0, stream)
         async with semaphore:
-            return await send_request(session, url, model_name, prompts[i], max_tokens, i, t0)
+            return await send_request(session, url, model_name, prompts[i], max_tokens, i, t0, stream)
 
     results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     return list(results), time.perf_counter() - t0
@@ -772,7 +781,7 @@ async def bench_server(
             t0 = time.perf_counter()
             results, _ = await run_requests(
                 session, url, model_name, warm, min(WARMUP_OUTPUT_TOKENS, args.output_len),
-                [0.0] * len(warm), None,
+                [0.0] * len(warm), None, not args.no_stream,
             )
             bad = [r for r in results if not r.success]
             print(f"  [{label}] warmup: {len(results) - len(bad)}/{len(results)} ok in "
@@ -787,7 +796,8 @@ async def bench_server(
             offsets = arrival_offsets(len(prompts), rate, random.Random(f"arrivals-{args.seed}-{rate_label(rate)}"))
             try:
                 results, duration = await run_requests(
-                    session, url, model_name, prompts, args.output_len, offsets, args.max_concurrency
+                    session, url, model_name, prompts, args.output_len, offsets, args.max_concurrency,
+                    not args.no_stream,
                 )
             finally:
                 if watcher is not None:
@@ -1089,6 +1099,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
     p.add_argument("--request-rates", default="2,4,8,16,inf", help="comma-separated requests/s; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--no-stream", action="store_true",
+                   help="whole responses (`stream: false`): throughput and latency, no TTFT")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-seed", type=int, default=None, help="seed of the prompts alone (default: --seed)")
     p.add_argument("--shared-prefixes", type=int, default=0,
