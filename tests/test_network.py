@@ -17,6 +17,8 @@ def test_a_free_port_lies_below_the_ephemeral_range_and_binds() -> None:
     ports = {network.free_port() for _ in range(20)}
     if low - network._LOWEST_PICK >= 1024:
         assert all(network._LOWEST_PICK <= p < low for p in ports), (low, ports)
+    # Never one of Ray's default worker ports, which a Ray node will not give its GCS or dashboard.
+    assert not any(10002 <= p <= 19999 for p in ports), ports
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))

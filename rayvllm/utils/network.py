@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 import socket
 
-# Ports below the OS's ephemeral range that free_port picks from: the
-# registered range's upper part, clear of the well-known services below it.
-_LOWEST_PICK = 10000
+# Ports below the OS's ephemeral range that free_port picks from: above
+# Ray's default worker ports (10002-19999, which a Ray node refuses to give
+# any of its own components) and the well-known services below them.
+_LOWEST_PICK = 20000
 
 
 def _ephemeral_low() -> int:

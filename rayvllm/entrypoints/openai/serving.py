@@ -295,12 +295,15 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         resume: StreamResume | None = None,
+        whole: bool = False,
     ) -> EngineStreams:
+        """The engine's streams of `prompts`. `whole`: the response is sent
+        whole, so each request's output is needed only at its end (FINAL_ONLY,
+        `final_only`: the engine sends nothing between its first token and
+        its last)."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         point = resume.point() if resume is not None else None
-        # A response sent whole needs each request's output only at its end:
-        # the engine then sends nothing between its first token and its last.
-        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        kind = RequestOutputKind.FINAL_ONLY if whole else RequestOutputKind.DELTA
         created: list[OutputStream] = []
         _, lora = self.models.resolve(req.model)
         try:
@@ -309,7 +312,7 @@ class OpenAIServing:
                     created.append(
                         self.engine.add_request(
                             prompt, params, engine_id, add_special_tokens=req.add_special_tokens, lora_request=lora,
-                            resume=point, output_kind=kind, final_only=not req.stream,
+                            resume=point, output_kind=kind, final_only=whole,
                         )
                     )
         except BaseException:
@@ -338,7 +341,7 @@ class OpenAIServing:
             resumable = req.stream and len(prompts) == 1 and params.n == 1 and not req.echo
             response_id = _response_id("cmpl-", request_id)
             progress = _stream_resume(resumable and req.prompt_logprobs is None, resume, tracked, response_id)
-        streams = await self._start(req, prompts, params, request_id, resume)
+        streams = await self._start(req, prompts, params, request_id, resume, whole=not req.stream)
         tally = _Tally(len(prompts), params.n, keep_outputs=not req.stream, resume=resume)
         response_id = progress.response_id if progress else response_id
         created = progress.created if progress else int(time.time())
@@ -453,7 +456,7 @@ class OpenAIServing:
             resumable = req.stream and params.n == 1 and tools is None and req.prompt_logprobs is None
             response_id = _response_id("chatcmpl-", request_id)
             progress = _stream_resume(resumable, resume, tracked, response_id)
-        streams = await self._start(req, [prompt], params, request_id, resume)
+        streams = await self._start(req, [prompt], params, request_id, resume, whole=not req.stream)
         tally = _Tally(1, params.n, keep_outputs=not req.stream, resume=resume)
         response_id = progress.response_id if progress else response_id
         created = progress.created if progress else int(time.time())
