@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +84,9 @@ def _transport_rows(weights: dict[str, Any], repeats: int) -> dict[str, float]:
     """The two backends' transports alone, from this process to another."""
     import ray
     import torch
-    import torch.distributed as dist
 
     from rayvllm import HostWeights
+    from rayvllm.distributed.weight_transfer import TransferGroup
     from rayvllm.utils.network import free_port
 
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
@@ -100,11 +99,10 @@ def _transport_rows(weights: dict[str, Any], repeats: int) -> dict[str, float]:
             self.buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
 
         def join(self, port: int) -> None:
-            store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
-            self.group = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=600))
+            self.group = TransferGroup("gloo", "127.0.0.1", port, 1, 2)
 
         def receive(self) -> None:
-            _broadcast(self.group, self.buffers)
+            self.group.receive_into(self.buffers)
 
         def take(self, refs: list[Any]) -> None:
             for buffer, tensor in zip(self.buffers, ray.get(refs[0]).tensors().values()):
@@ -113,13 +111,12 @@ def _transport_rows(weights: dict[str, Any], repeats: int) -> dict[str, float]:
     receiver = Receiver.remote()
     port = free_port()
     joined = receiver.join.remote(port)
-    group = dist.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, is_master=True), 0, 2, timedelta(seconds=600))
+    group = TransferGroup("gloo", "127.0.0.1", port, 0, 2)  # returns once the receiver joined
     ray.get(joined)
-    tensors = list(weights.values())
 
     def gloo() -> None:
         received = receiver.receive.remote()
-        _broadcast(group, tensors)
+        group.send(weights)
         ray.get(received)
 
     rows = {"gloo transport alone": _timed(gloo, repeats)}
@@ -128,15 +125,6 @@ def _transport_rows(weights: dict[str, Any], repeats: int) -> dict[str, float]:
     )
     ray.kill(receiver)
     return rows
-
-
-def _broadcast(group: Any, tensors: list[Any]) -> None:
-    import torch.distributed as dist
-
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    for tensor in tensors:
-        group.broadcast([tensor], options).wait()
 
 
 def main(argv: list[str] | None = None) -> None:

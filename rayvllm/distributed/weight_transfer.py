@@ -136,8 +136,14 @@ class TransferGroup:
         tensors = [
             torch.empty(shape, dtype=dtype_of(dt), device=self.device) for dt, shape in zip(info.dtype_names, info.shapes)
         ]
-        self._broadcast(tensors)
+        self.receive_into(tensors)
         return dict(zip(info.names, tensors))
+
+    def receive_into(self, tensors: list[torch.Tensor]) -> None:
+        """Another rank: one chunk into `tensors` (contiguous, on the group's
+        device, in the order rank 0 sends them)."""
+        assert self.rank != 0
+        self._broadcast(tensors)
 
     def close(self) -> None:
         self.group = None  # type: ignore[assignment]
