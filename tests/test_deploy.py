@@ -112,7 +112,10 @@ def serve_config_for_test(proxy_port: int) -> dict[str, Any]:
 def node_pip_config() -> str:
     """The pip configuration this test runs under (its files and PIP_*
     variables: this network's mirrors, certificates and wheel folders), as a
-    node on the same network would have it, plus the kept download cache."""
+    node on the same network would have it, plus the kept download cache.
+    Two retries, not pip's five: an index this network cannot reach (the
+    cluster file's PyTorch index, where only a mirror is reachable) fails
+    each try at once, and the five cost ~7 s of backoff."""
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                             check=True, timeout=60).stdout
     sections: dict[str, dict[str, str]] = {"global": {}}
@@ -122,6 +125,7 @@ def node_pip_config() -> str:
             section = "global" if match.group(1) == ":env:" else match.group(1)
             sections.setdefault(section, {})[match.group(2)] = match.group(3)
     sections["global"]["cache-dir"] = str(DOWNLOAD_CACHE / "pip")
+    sections["global"].setdefault("retries", "2")
     return "".join(f"[{name}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items()) for name, keys in sections.items())
 
 
