@@ -5,11 +5,15 @@
         [--min-in 16] [--max-in 512] [--min-out 64] [--max-out 256]
         [--no-ignore-eos] [--replicas 1] [--batch-size 64] [--max-num-seqs 64]
         [--preset llama25m | --model DIR] [--vllm-python PATH] [--seed 0]
+        [--cpu-threads N]
 
 Workload: `--num-prompts` rows of random token ids, prompt lengths uniform
 in [--min-in, --max-in], outputs in [--min-out, --max-out] (`max_tokens`),
 greedy, `ignore_eos` unless `--no-ignore-eos`. The parent draws the rows
-once and hands the same file to every engine.
+once and hands the same file to every engine. `--cpu-threads N` gives both
+rayvllm engines N torch threads (`cpu_threads`; unset: one per core); on 2
+cores, 1 leaves a core to Ray's own processes, which shows what the batch
+path costs where the engine does not share its cores with them.
 
 Engines (each in its own subprocess, on a local Ray cluster of its own
 where it uses Ray):
@@ -76,7 +80,8 @@ def make_rows(args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {"dtype": "float32", "max_model_len": args.max_in + args.max_out, "max_num_seqs": args.max_num_seqs}
+    kwargs = {"dtype": "float32", "max_model_len": args.max_in + args.max_out, "max_num_seqs": args.max_num_seqs}
+    return kwargs if args.cpu_threads is None else {**kwargs, "cpu_threads": args.cpu_threads}
 
 
 # --------------------------------------------------------------------------- #
@@ -173,6 +178,8 @@ CHILDREN: dict[str, Callable[[str, list[dict[str, Any]], argparse.Namespace], di
 def _child_argv(engine: str, python: str, args: argparse.Namespace, model: str, rows_path: str) -> list[str]:
     sizes = ["--min-in", args.min_in, "--max-in", args.max_in, "--min-out", args.min_out, "--max-out", args.max_out,
              "--replicas", args.replicas, "--batch-size", args.batch_size, "--max-num-seqs", args.max_num_seqs]
+    if args.cpu_threads is not None:
+        sizes += ["--cpu-threads", args.cpu_threads]
     return [python, str(Path(__file__).resolve()), "--child", engine, "--rows", rows_path, "--model", model,
             *map(str, sizes)]
 
@@ -203,6 +210,9 @@ def parent_main(args: argparse.Namespace) -> None:
             json.dump(rows, f)
         for engine in engines:
             python, env = sys.executable, {}
+            if engine == "peer" and args.cpu_threads is not None:
+                results[engine] = {"error": "--cpu-threads sizes rayvllm's engines only; skipped"}
+                continue
             if engine == "peer":
                 python, env = args.vllm_python, vllm_env({})
                 if not os.path.exists(python):
@@ -247,6 +257,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads of rayvllm's engines (default: one per core); not the peer's")
     parser.add_argument("--preset", default="llama25m", choices=sorted(PRESETS))
     parser.add_argument("--model", default=None, help="a model directory instead of --preset")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
