@@ -210,10 +210,10 @@ def parent_main(args: argparse.Namespace) -> None:
             json.dump(rows, f)
         for engine in engines:
             python, env = sys.executable, {}
-            if engine == "peer" and args.cpu_threads is not None:
-                results[engine] = {"error": "--cpu-threads sizes rayvllm's engines only; skipped"}
-                continue
             if engine == "peer":
+                if args.cpu_threads is not None:
+                    results[engine] = {"error": "--cpu-threads sizes rayvllm's engines only; skipped"}
+                    continue
                 python, env = args.vllm_python, vllm_env({})
                 if not os.path.exists(python):
                     results[engine] = {"error": f"{python} missing; skipped (bench/setup_peers.sh makes it)"}

@@ -115,7 +115,7 @@ def node_pip_config() -> str:
     node on the same network would have it, plus the kept download cache.
     Two retries, not pip's five: an index this network cannot reach (the
     cluster file's PyTorch index, where only a mirror is reachable) fails
-    each try at once, and the five cost ~7 s of backoff."""
+    each try at once, and five wait out pip's whole backoff (0.5 + 1 + 2 + 4 s)."""
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                             check=True, timeout=60).stdout
     sections: dict[str, dict[str, str]] = {"global": {}}
