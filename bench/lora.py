@@ -1,6 +1,6 @@
 """What multi-LoRA costs: offline throughput of one workload under five settings.
 
-    python bench/lora.py [--engine rayvllm|vllm|both] [--preset tiny|llama25m|...]
+    python bench/lora.py [--engine rayvllm|vllm|both|vllm,rayvllm] [--preset tiny|llama25m|...]
         [--num-adapters 4] [--rank 16] [--num-seqs 64] [--json-out FILE]
 
 Settings (each in its own engine child, same prompts and lengths):
@@ -16,8 +16,11 @@ Settings (each in its own engine child, same prompts and lengths):
 Adapters are random PEFT-format directories (rank `--rank` on q/k/v/o and
 gate/up/down) written here without peft. `--engine vllm` runs the same
 against the peer vLLM CPU build (bench/setup_peers.sh), which loads the same
-adapter directories. Output: tok/s per setting and engine, and the CPU the
-figures came from.
+adapter directories, one engine after the other in the order given. Output:
+tok/s per setting and engine; each setting against the same engine's
+base/lora-off (what LoRA costs that engine) and, with both engines,
+rayvllm against vLLM per setting (LoRA off and on are separate rows); the
+CPU the figures came from.
 """
 
 from __future__ import annotations
@@ -133,9 +136,24 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- #
 
 
+def ratio_rows(results: list[dict[str, Any]], engines: list[str]) -> list[list[str]]:
+    """Per setting: each engine's tok/s over its own base/lora-off, then
+    rayvllm's over vLLM's when both ran; "-" where a run failed or is missing."""
+    tok_s = {(r["engine"], r["setting"]): r["tok_s"] for r in results if not r.get("error") and "tok_s" in r}
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
+        return f"{tok_s[a] / tok_s[b]:.2f}x" if a in tok_s and b in tok_s and tok_s[b] else "-"
+
+    settings = list(dict.fromkeys(r["setting"] for r in results))
+    return [[setting, *(ratio((e, setting), (e, "base/lora-off")) for e in engines),
+             *([ratio(("rayvllm", setting), ("vllm", setting))] if len(engines) == 2 else [])]
+            for setting in settings]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("rayvllm", "vllm", "both"), default="rayvllm")
+    parser.add_argument("--engine", default="rayvllm",
+                        help="rayvllm, vllm, both (rayvllm first) or a comma-separated order")
     parser.add_argument("--preset", default="llama25m")
     parser.add_argument("--model", default=None, help="a model directory (default: the preset's, built once)")
     parser.add_argument("--num-adapters", type=int, default=4)
@@ -164,7 +182,9 @@ def main() -> None:
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
-    engines = ("rayvllm", "vllm") if args.engine == "both" else (args.engine,)
+    engines = ["rayvllm", "vllm"] if args.engine == "both" else [e for e in args.engine.split(",") if e]
+    if not engines or set(engines) - {"rayvllm", "vllm"} or len(set(engines)) != len(engines):
+        raise SystemExit(f"--engine {args.engine!r}: rayvllm, vllm, both, or an order of the two")
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rayvllm-bench-lora-") as tmp:
         adapters = [str(write_adapter(model, Path(tmp) / f"adapter{i}", args.rank, seed=i))
@@ -195,6 +215,9 @@ def main() -> None:
                       + (f"error: {error}" if error else f"{results[-1]['tok_s']:.1f} tok/s"), flush=True)
     rows = [[r["engine"], r["setting"], "-" if r.get("error") else f"{r['tok_s']:.1f}"] for r in results]
     print(format_table(["engine", "setting", "output tok/s"], rows))
+    print()
+    print(format_table(["setting", *(f"{e} / its base/lora-off" for e in engines),
+                        *(["rayvllm / vLLM"] if len(engines) == 2 else [])], ratio_rows(results, engines)))
     machine = cpu_line()
     print(f"machine: {machine}")
     if args.json_out:

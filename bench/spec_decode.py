@@ -185,6 +185,33 @@ def _row(engine: str, method: str, payload: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def speedup_rows(results: dict[str, Any], engines: list[str], methods: list[str]) -> list[list[str]]:
+    """Per speculation method and workload: each engine's TPOT and
+    throughput against its own run without speculation (below 1 for TPOT is
+    a gain), and rayvllm's TPOT against vLLM's with the same method. Needs
+    `none` among the methods; a missing or failed run is "-"."""
+
+    def figure(engine: str, method: str, workload: str, key: str) -> float | None:
+        got = results.get(f"{engine}/{method}", {}).get("workloads", {}).get(workload)
+        return None if got is None else got[key]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+    if "none" not in methods:
+        return []
+    rows = []
+    for method in (m for m in methods if m != "none"):
+        for workload in WORKLOADS:
+            rows.append([
+                method, workload,
+                *(ratio(figure(e, method, workload, "tpot_s"), figure(e, "none", workload, "tpot_s")) for e in engines),
+                *(ratio(figure(e, method, workload, "tok_s"), figure(e, "none", workload, "tok_s")) for e in engines),
+                ratio(figure("rayvllm", method, workload, "tpot_s"), figure("vllm", method, workload, "tpot_s")),
+            ])
+    return rows
+
+
 def parent(args: argparse.Namespace) -> None:
     engines = [e for e in args.engines.split(",") if e]
     methods = [m for m in args.methods.split(",") if m]
@@ -234,6 +261,11 @@ def parent(args: argparse.Namespace) -> None:
     print()
     print(format_table(["engine", "speculation", "workload", "output tok/s", "TPOT ms (batch 1)",
                         "accepted/drafted", "notes"], rows))
+    speedups = speedup_rows(results, engines, methods)
+    if speedups:
+        print()
+        print(format_table(["speculation", "workload", *(f"{e} TPOT / TPOT without" for e in engines),
+                            *(f"{e} tok/s / tok/s without" for e in engines), "TPOT rayvllm / vLLM"], speedups))
     vllm_errors = [m for m in methods if m != "none" and "error" in results.get(f"vllm/{m}", {})]
     if "vllm" in engines and vllm_errors:
         print(f"vLLM's CPU build did not run speculation {vllm_errors} here; see the errors above.")
