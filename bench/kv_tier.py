@@ -3,18 +3,29 @@ rank's KV pool holds: prefix hit rate and TTFT with the tier off, in host
 memory ("native") and in the Ray object store ("ray").
 
     python bench/kv_tier.py [--topology both|dp2|replicas] [--tiers off,native,ray]
+        [--load online|rounds] [--arrival-rate 2] [--think-s 1]
         [--preset llama25m] [--docs 16] [--doc-len 512] [--turns 3] [--pool-frac 0.25]
         [--json-out FILE]
 
 Workload: `--docs` documents of `--doc-len` random tokens; each is one chat
 of `--turns` turns. Turn t's prompt is the document, every earlier question
 and answer, and a new `--question-len`-token question; its answer is
-`--answer-len` greedy tokens. Turns go round by round (turn 1 of every
-chat, then turn 2, ...), all chats of a round in one batch, so a
-document's blocks have left the pool by its next turn whenever the
-documents outgrow it: each rank's pool holds `--pool-frac` of the
+`--answer-len` greedy tokens. Each rank's pool holds `--pool-frac` of the
 documents' blocks (and at least one longest chat); keep it above
 `--max-num-seqs` longest chats, or preemption swamps the comparison.
+
+Loads:
+- online (default): a server's load. Chats start at Poisson times
+  (`--arrival-rate` chats a second, seeded); each turn is sent when the one
+  before has answered plus a think time (exponential, mean `--think-s`),
+  and streamed (`AsyncLLM`, as the server runs it); TTFT is the client's
+  wait from sending a turn to its first token. Other chats' documents
+  push a chat's blocks out of the pool while its user thinks.
+- rounds: an offline queue. Turn 1 of every chat, then turn 2, ..., all
+  chats of a round in one `LLM.generate` batch, so a document's blocks have
+  left the pool by its next turn whenever the documents outgrow it; TTFT
+  (the engine's first_token_time - arrival_time) includes the wait behind
+  the rest of the batch.
 
 Topologies (all on Ray):
 - dp2: one engine with data_parallel_size=2 (requests routed by prefix);
@@ -25,18 +36,20 @@ Topologies (all on Ray):
 
 Per configuration: prefix hit rate (prefix-cache hit tokens / prompt
 tokens, which counts what the tier brought back), the tier's own share,
-and TTFT (first_token_time - arrival_time, median and mean over the turns
-after the first, where a hit is possible). Every configuration's tokens
-must equal the tier-off run's (greedy): "parity" says whether they did.
+and TTFT (median, p90 and mean over the turns after the first, where a hit
+is possible). Every configuration's tokens must equal the tier-off run's
+(greedy): "parity" says whether they did.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +96,104 @@ def _kill_directory(kwargs: dict[str, Any]) -> None:
         pass
 
 
+def _hit_rates(cores: list[Any]) -> tuple[float, float]:
+    """(prefix hits, of which the tier's) / prompt tokens, over the engines' cores."""
+    queries = hits = tier_hits = 0
+    for core in cores:
+        stats = core.make_stats()
+        queries += stats.prefix_cache_stats.queries
+        hits += stats.prefix_cache_stats.hits
+        if stats.kv_offload_stats is not None:
+            tier_hits += stats.kv_offload_stats.hits
+    return hits / max(queries, 1), tier_hits / max(queries, 1)
+
+
 def run_config(args: argparse.Namespace, model: str, topology: str, tier: str, vocab: int) -> dict[str, Any]:
+    kwargs = _engine_kwargs(args, model, tier, dp=2 if topology == "dp2" else 1)
+    try:
+        if args.load == "online":
+            answers, ttfts, (hit_rate, tier_hit_rate) = asyncio.run(_run_online(args, kwargs, topology, vocab))
+        else:
+            answers, ttfts, (hit_rate, tier_hit_rate) = _run_rounds(args, kwargs, topology, vocab)
+    finally:
+        _kill_directory(kwargs)
+    ttfts.sort()
+    return {
+        "topology": topology, "tier": tier, "load": args.load, "hit_rate": hit_rate, "tier_hit_rate": tier_hit_rate,
+        "ttft_median_s": median(ttfts), "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+        "ttft_mean_s": sum(ttfts) / len(ttfts), "answers": answers, "pool_blocks": kwargs["num_gpu_blocks_override"],
+    }
+
+
+async def _run_online(
+    args: argparse.Namespace, kwargs: dict[str, Any], topology: str, vocab: int
+) -> tuple[list[list[list[int]]], list[float], tuple[float, float]]:
+    from rayvllm import SamplingParams
+    from rayvllm.actors.factory import async_llm_from_engine_args
+    from rayvllm.config.engine_args import EngineArgs
+
+    docs, questions = _chats(args, vocab)
+    engines = [async_llm_from_engine_args(EngineArgs(**kwargs)) for _ in range(1 if topology == "dp2" else 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
+    rng = random.Random(f"kv-tier-load-{args.seed}")
+    starts, at = [], 0.0
+    for _ in docs:
+        at += rng.expovariate(args.arrival_rate)
+        starts.append(at)
+    thinks = [[rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0.0 for _ in range(args.turns)]
+              for _ in docs]
+    answers: list[list[list[int]]] = [[] for _ in docs]
+    ttfts: list[float] = []
+
+    async def chat(d: int, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + starts[d] - time.monotonic()))
+        history = list(docs[d])
+        for turn in range(args.turns):
+            if turn > 0:
+                await asyncio.sleep(thinks[d][turn])
+            prompt = history + questions[d][turn]
+            engine = engines[(d + turn) % len(engines)]
+            sent, first, answer = time.monotonic(), None, []
+            async for out in engine.generate({"prompt_token_ids": prompt}, params, f"chat{d}-turn{turn}"):
+                first = time.monotonic() if first is None else first
+                answer += out.outputs[0].token_ids
+            if turn > 0 and first is not None:
+                ttfts.append(first - sent)
+            answers[d].append(answer)
+            history = prompt + answer
+
+    try:
+        for engine in engines:  # both warm before the clock starts
+            async for _ in engine.generate({"prompt_token_ids": [11, 12, 13]}, params, "warmup"):
+                pass
+        t0 = time.monotonic()
+        await asyncio.gather(*(chat(d, t0) for d in range(len(docs))))
+        return answers, ttfts, _served_hit_rates(engines)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def _served_hit_rates(engines: list[Any]) -> tuple[float, float]:
+    """`_hit_rates` for serving engines, whose loop takes the cores'
+    counters into its Prometheus counters as it goes: what is left is
+    taken in, then the counters are read."""
+    totals = {"rayvllm:prefix_cache_queries": 0.0, "rayvllm:prefix_cache_hits": 0.0, "rayvllm:kv_offload_hits": 0.0}
+    for engine in engines:
+        engine.metrics.record_scheduler_stats(engine.engine_core.make_stats())
+        for family in engine.metrics.families():
+            if family.name in totals:
+                totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    queries = max(totals["rayvllm:prefix_cache_queries"], 1.0)
+    return totals["rayvllm:prefix_cache_hits"] / queries, totals["rayvllm:kv_offload_hits"] / queries
+
+
+def _run_rounds(
+    args: argparse.Namespace, kwargs: dict[str, Any], topology: str, vocab: int
+) -> tuple[list[list[list[int]]], list[float], tuple[float, float]]:
     from rayvllm import LLM, SamplingParams
 
     docs, questions = _chats(args, vocab)
-    kwargs = _engine_kwargs(args, model, tier, dp=2 if topology == "dp2" else 1)
     engines = [LLM(**kwargs)] if topology == "dp2" else [LLM(**kwargs), LLM(**kwargs)]
     params = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
     history = [list(doc) for doc in docs]
@@ -112,29 +218,20 @@ def run_config(args: argparse.Namespace, model: str, topology: str, tier: str, v
                     m = out.metrics
                     if turn > 0 and m is not None and m.first_token_time is not None:
                         ttfts.append(m.first_token_time - m.arrival_time)
-        queries = hits = tier_hits = 0
-        for engine in engines:
-            stats = engine.llm_engine.engine_core.make_stats()
-            queries += stats.prefix_cache_stats.queries
-            hits += stats.prefix_cache_stats.hits
-            if stats.kv_offload_stats is not None:
-                tier_hits += stats.kv_offload_stats.hits
+        return answers, ttfts, _hit_rates([e.llm_engine.engine_core for e in engines])
     finally:
         for engine in engines:
             engine.shutdown()
-        _kill_directory(kwargs)
-    return {
-        "topology": topology, "tier": tier, "hit_rate": hits / max(queries, 1),
-        "tier_hit_rate": tier_hits / max(queries, 1), "ttft_median_s": median(ttfts),
-        "ttft_mean_s": sum(ttfts) / len(ttfts), "answers": answers,
-        "pool_blocks": kwargs["num_gpu_blocks_override"],
-    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topology", choices=["both", "dp2", "replicas"], default="both")
     p.add_argument("--tiers", default="off,native,ray")
+    p.add_argument("--load", choices=["online", "rounds"], default="online",
+                   help="online: chats arrive and think as a server's users do; rounds: one batch per turn")
+    p.add_argument("--arrival-rate", type=float, default=2.0, help="online: chats started per second (Poisson)")
+    p.add_argument("--think-s", type=float, default=1.0, help="online: mean pause between a turn's answer and the next")
     p.add_argument("--preset", default="llama25m")
     p.add_argument("--model", default=None)
     p.add_argument("--docs", type=int, default=16)
@@ -175,12 +272,16 @@ def main() -> None:
         ray.shutdown()
     rows = [
         [r["topology"], r["tier"], f"{100 * r['hit_rate']:.1f}%", f"{100 * r['tier_hit_rate']:.1f}%",
-         f"{1000 * r['ttft_median_s']:.1f} ms", f"{1000 * r['ttft_mean_s']:.1f} ms", "ok" if r["parity"] else "DIFFERS"]
+         f"{1000 * r['ttft_median_s']:.1f} ms", f"{1000 * r['ttft_p90_s']:.1f} ms", f"{1000 * r['ttft_mean_s']:.1f} ms",
+         "ok" if r["parity"] else "DIFFERS"]
         for r in results
     ]
     print()
-    print(format_table(["topology", "tier", "prefix hits", "from tier", "TTFT median", "TTFT mean", "parity"], rows))
-    print(f"({args.docs} chats x {args.turns} turns over {args.doc_len}-token documents; pool "
+    print(format_table(["topology", "tier", "prefix hits", "from tier", "TTFT median", "TTFT p90", "TTFT mean",
+                        "parity"], rows))
+    load = (f"online: {args.arrival_rate:g} chats/s, think {args.think_s:g} s" if args.load == "online"
+            else "rounds: one batch per turn")
+    print(f"({args.docs} chats x {args.turns} turns over {args.doc_len}-token documents, {load}; pool "
           f"{results[0]['pool_blocks']} blocks of {BLOCK} per rank; TTFT over turns 2..{args.turns}; {machine})")
     if args.json_out:
         with open(args.json_out, "w") as f:
