@@ -5,19 +5,12 @@ same for every router it compares."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_scripts import load_bench_script
 
 
 def test_every_turn_extends_the_last_and_chats_share_system_prompts() -> None:
-    spec = importlib.util.spec_from_file_location("bench_cluster", BENCH / "cluster.py")
-    assert spec is not None and spec.loader is not None
-    cluster = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = cluster
-    spec.loader.exec_module(cluster)
+    cluster = load_bench_script("cluster.py")
     args = argparse.Namespace(seed=3, sessions=6, turns=3, system_prompts=2, system_len=16, user_len=4, output_len=5)
     chats = cluster.conversations(args, vocab=range(5, 100), decode=None)
     assert chats == cluster.conversations(args, vocab=range(5, 100), decode=None)  # the same for every router

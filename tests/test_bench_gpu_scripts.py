@@ -7,7 +7,6 @@ smoke run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,16 +15,11 @@ from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_scripts import BENCH, load_bench_script
 
 
 def _load_common() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "_common.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("_common.py")
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,11 @@ base/lora-off, and rayvllm against vLLM per setting (no engine runs here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_scripts import load_bench_script
 
 
 def test_each_setting_against_its_engines_base_and_the_peer() -> None:
-    spec = importlib.util.spec_from_file_location("bench_lora", BENCH / "lora.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_bench_script("lora.py")
     results = [
         {"engine": "vllm", "setting": "base/lora-off", "tok_s": 1600.0, "error": None},
         {"engine": "vllm", "setting": "base/lora-on", "tok_s": 400.0, "error": None},

@@ -4,20 +4,7 @@ children's results (no engine runs here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load() -> object:
-    spec = importlib.util.spec_from_file_location("bench_spec_decode", BENCH / "spec_decode.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench_script
 
 
 def _run(tpot_ms: float, tok_s: float) -> dict[str, float]:
@@ -25,7 +12,7 @@ def _run(tpot_ms: float, tok_s: float) -> dict[str, float]:
 
 
 def test_speedups_are_against_each_engines_own_baseline() -> None:
-    bench = _load()
+    bench = load_bench_script("spec_decode.py")
     results = {
         "rayvllm/none": {"workloads": {"echo": _run(4.0, 1000.0), "random": _run(4.0, 1500.0)}},
         "rayvllm/ngram": {"workloads": {"echo": _run(3.0, 1100.0), "random": _run(4.0, 1200.0)}},
