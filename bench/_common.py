@@ -418,3 +418,14 @@ def median(values: Sequence[float]) -> float:
     s = sorted(values)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation, as numpy's default; None if empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

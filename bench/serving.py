@@ -120,6 +120,7 @@ from _common import (  # noqa: E402
     default_model_dir,
     format_table,
     model_vocab_size,
+    percentile,
     random_ids,
 )
 from throughput import _parse_env, vllm_env  # noqa: E402
@@ -663,17 +664,6 @@ async def run_requests(
 
     results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     return list(results), time.perf_counter() - t0
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation, as numpy's default; None if empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarise(results: Sequence[RequestResult], duration_s: float, rate: float, output_len: int) -> dict[str, Any]:

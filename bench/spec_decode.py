@@ -188,8 +188,9 @@ def _row(engine: str, method: str, payload: dict[str, Any]) -> list[list[str]]:
 def speedup_rows(results: dict[str, Any], engines: list[str], methods: list[str]) -> list[list[str]]:
     """Per speculation method and workload: each engine's TPOT and
     throughput against its own run without speculation (below 1 for TPOT is
-    a gain), and rayvllm's TPOT against vLLM's with the same method. Needs
-    `none` among the methods; a missing or failed run is "-"."""
+    a gain), and, when both engines ran, rayvllm's TPOT against vLLM's with
+    the same method. Needs `none` among the methods; a missing or failed run
+    is "-"."""
 
     def figure(engine: str, method: str, workload: str, key: str) -> float | None:
         got = results.get(f"{engine}/{method}", {}).get("workloads", {}).get(workload)
@@ -207,7 +208,8 @@ def speedup_rows(results: dict[str, Any], engines: list[str], methods: list[str]
                 method, workload,
                 *(ratio(figure(e, method, workload, "tpot_s"), figure(e, "none", workload, "tpot_s")) for e in engines),
                 *(ratio(figure(e, method, workload, "tok_s"), figure(e, "none", workload, "tok_s")) for e in engines),
-                ratio(figure("rayvllm", method, workload, "tpot_s"), figure("vllm", method, workload, "tpot_s")),
+                *([ratio(figure("rayvllm", method, workload, "tpot_s"), figure("vllm", method, workload, "tpot_s"))]
+                  if len(engines) == 2 else []),
             ])
     return rows
 
@@ -265,7 +267,8 @@ def parent(args: argparse.Namespace) -> None:
     if speedups:
         print()
         print(format_table(["speculation", "workload", *(f"{e} TPOT / TPOT without" for e in engines),
-                            *(f"{e} tok/s / tok/s without" for e in engines), "TPOT rayvllm / vLLM"], speedups))
+                            *(f"{e} tok/s / tok/s without" for e in engines),
+                            *(["TPOT rayvllm / vLLM"] if len(engines) == 2 else [])], speedups))
     vllm_errors = [m for m in methods if m != "none" and "error" in results.get(f"vllm/{m}", {})]
     if "vllm" in engines and vllm_errors:
         print(f"vLLM's CPU build did not run speculation {vllm_errors} here; see the errors above.")

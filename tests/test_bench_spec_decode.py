@@ -28,5 +28,9 @@ def test_speedups_are_against_each_engines_own_baseline() -> None:
         ["draft_model", "echo", "-", "-", "-", "-", "-"],
         ["draft_model", "random", "-", "-", "-", "-", "-"],
     ]
+    # One engine: no cross-engine column.
+    assert bench.speedup_rows(results, ["rayvllm"], ["none", "ngram"]) == [  # type: ignore[attr-defined]
+        ["ngram", "echo", "0.75x", "1.10x"], ["ngram", "random", "1.00x", "0.80x"],
+    ]
     # Without a run that has no speculation there is nothing to compare with.
     assert bench.speedup_rows(results, ["rayvllm"], ["ngram"]) == []  # type: ignore[attr-defined]
