@@ -101,20 +101,30 @@ def test_parallel_greedy_parity(ray_local: None, models: dict[str, Path], name: 
         assert tokens == hf_greedy(model_dir, prompt)[0]
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path], async_scheduling: bool) -> None:
+@pytest.mark.parametrize("async_scheduling", [True, None], ids=["async", "default"])
+def test_ray_client_steps_lose_nothing(
+    ray_local: None, models: dict[str, Path], async_scheduling: bool | None
+) -> None:
     """The SchedulerActor's loop steps on its own and pushes outputs (with
     async scheduling and room in the batch it schedules each step just in
     time, as the previous one ends); adds and aborts travel on the same
     connection. Stats read between steps and an abort mid-run must not drop
-    or duplicate a token, and the aborted request's blocks must come back."""
+    or duplicate a token, and the aborted request's blocks must come back.
+    `distributed_executor_backend="ray"` puts even a single rank on the Ray
+    path: one SchedulerActor that runs the model on its loop's thread, by
+    default without async scheduling (nothing to schedule ahead of), and
+    nothing of it left after shutdown."""
     model_dir = models["llama-gqa"]
     prompts = _prompts()
-    llm = LLM(
-        str(model_dir), distributed_executor_backend="ray", async_scheduling=async_scheduling, **ENGINE
+    llm, ours, pgs = _start_engine(
+        model_dir, dict(distributed_executor_backend="ray", async_scheduling=async_scheduling)
     )
+    assert sorted(ours.values()) == ["SchedulerActor"]
+    assert len(pgs) == 1 and next(iter(pgs.values())).startswith("rayvllm-engine-")
+    _assert_torch_where_the_model_runs(ours, scheduler_runs_model=True)
     try:
         engine = llm.llm_engine
+        assert engine.config.scheduler_config.async_scheduling == bool(async_scheduling)
         params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, params, output_kind=RequestOutputKind.DELTA)
@@ -151,6 +161,7 @@ def test_ray_client_steps_lose_nothing(ray_local: None, models: dict[str, Path],
                 assert got == expected[i]
     finally:
         llm.shutdown()
+    _assert_gone(ours, pgs)
 
 
 def _alive_rayvllm_actors() -> dict[str, str]:
@@ -159,54 +170,53 @@ def _alive_rayvllm_actors() -> dict[str, str]:
             if a.class_name in ("SchedulerActor", "WorkerActor") and a.state != "DEAD"}
 
 
-@pytest.mark.parametrize(
-    ("parallel", "actors", "group"),
-    [
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, ["SchedulerActor"] + ["WorkerActor"] * 4,
-         "rayvllm-dp0-"),
-        # World size 1: the SchedulerActor runs the model in a group of its own.
-        ({"distributed_executor_backend": "ray"}, ["SchedulerActor"], "rayvllm-engine-"),
-    ],
-    ids=["tp2-pp2", "world-1"],
-)
-def test_shutdown_leaves_nothing_behind(
-    ray_local: None, models: dict[str, Path], parallel: dict[str, object], actors: list[str], group: str
-) -> None:
-    """The engine's actors and placement group, and none after shutdown.
-    Each engine also answers greedy parity (the parity test leaves these
-    two shapes here rather than start them twice): `distributed_executor_backend="ray"`
-    puts even a single rank on the Ray path, there without async scheduling
-    (the SchedulerActor runs that rank's model on its loop's thread)."""
-    from rayvllm.actors.ray_core_client import RayEngineCoreClient
-
-    model_dir = models["llama-gqa"]
-    # The cluster is shared: what other tests left dying is not this engine's.
+def _start_engine(model_dir: Path, parallel: dict[str, object]) -> tuple[LLM, dict[str, str], dict[str, str]]:
+    """An engine on the shared cluster, with the engine actors and the
+    placement group it added (what other tests left dying is not its)."""
     actors_before, groups_before = _alive_rayvllm_actors(), ray_state.live_placement_groups()
     llm = LLM(str(model_dir), **parallel, **ENGINE)
     ours = {k: v for k, v in _alive_rayvllm_actors().items() if k not in actors_before}
-    assert sorted(ours.values()) == actors
     pgs = {k: v for k, v in ray_state.live_placement_groups().items() if k not in groups_before}
-    assert len(pgs) == 1 and next(iter(pgs.values())).startswith(group)
-    # torch (its import's CPU and memory) only in processes that run the
-    # model: every rank, and the SchedulerActor only where it hosts one.
+    return llm, ours, pgs
+
+
+def _assert_torch_where_the_model_runs(ours: dict[str, str], scheduler_runs_model: bool) -> None:
+    """torch (its import's CPU and memory) only in processes that run the
+    model: every rank, and the SchedulerActor only where it hosts one."""
     pids = {a.actor_id: a.pid for a in ray_state.actors() if a.actor_id in ours}
     for actor_id, name in ours.items():
         loads_torch = "libtorch" in Path(f"/proc/{pids[actor_id]}/maps").read_text()
-        assert loads_torch == (name == "WorkerActor" or len(actors) == 1), name
-    try:
-        assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
-        if len(actors) == 1:  # the loop's thread runs the model: nothing to schedule ahead of
-            assert not llm.llm_engine.config.scheduler_config.async_scheduling
-        got = _greedy(llm, _prompts())
-        assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
-    finally:
-        llm.shutdown()
-    assert got == _single_process(model_dir)
-    # The actors (and with their processes, the gloo process groups) are
-    # gone; a killed actor's state turns DEAD asynchronously, so poll.
+        assert loads_torch == (name == "WorkerActor" or scheduler_runs_model), name
+
+
+def _assert_gone(ours: dict[str, str], pgs: dict[str, str]) -> None:
+    """The actors (and with their processes, the gloo process groups) are
+    gone; a killed actor's state turns DEAD asynchronously, so poll."""
     for _ in range(300):
         if not ours.keys() & _alive_rayvllm_actors().keys():
             break
         ray.get(ray.remote(lambda: None).remote())  # one scheduling round trip
     assert not ours.keys() & _alive_rayvllm_actors().keys()
     assert not pgs.keys() & ray_state.live_placement_groups().keys()
+
+
+def test_shutdown_leaves_nothing_behind(ray_local: None, models: dict[str, Path]) -> None:
+    """TP=2 x PP=2: the engine's actors and placement group, and none after
+    shutdown. The engine also answers greedy parity (the parity test leaves
+    this shape here rather than start it twice; the single rank on Ray is
+    test_ray_client_steps_lose_nothing's)."""
+    from rayvllm.actors.ray_core_client import RayEngineCoreClient
+
+    model_dir = models["llama-gqa"]
+    llm, ours, pgs = _start_engine(model_dir, dict(tensor_parallel_size=2, pipeline_parallel_size=2))
+    assert sorted(ours.values()) == ["SchedulerActor"] + ["WorkerActor"] * 4
+    assert len(pgs) == 1 and next(iter(pgs.values())).startswith("rayvllm-dp0-")
+    _assert_torch_where_the_model_runs(ours, scheduler_runs_model=False)
+    try:
+        assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
+        got = _greedy(llm, _prompts())
+        assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert got == _single_process(model_dir)
+    _assert_gone(ours, pgs)
