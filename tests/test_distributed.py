@@ -73,11 +73,10 @@ def _single_process(model_dir: Path) -> list[list[int]]:
         ("llama-gqa", dict(tensor_parallel_size=2, async_scheduling=True)),
         ("llama-gqa", dict(pipeline_parallel_size=2)),
         ("llama-gqa", dict(data_parallel_size=2)),
-        # TP=2 x PP=2 on llama-gqa: test_shutdown_leaves_nothing_behind.
         ("qwen3-gqa-tied", dict(tensor_parallel_size=2)),
         ("qwen3-gqa-tied", dict(pipeline_parallel_size=2)),
         ("qwen3-gqa-tied", dict(data_parallel_size=2)),
-        ("qwen3-gqa-tied", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+        # TP=2 x PP=2 on qwen3-gqa-tied: test_shutdown_leaves_nothing_behind.
         ("llama-mqa", dict(tensor_parallel_size=2)),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(
@@ -202,21 +201,26 @@ def _assert_gone(ours: dict[str, str], pgs: dict[str, str]) -> None:
 
 def test_shutdown_leaves_nothing_behind(ray_local: None, models: dict[str, Path]) -> None:
     """TP=2 x PP=2: the engine's actors and placement group, and none after
-    shutdown. The engine also answers greedy parity (the parity test leaves
-    this shape here rather than start it twice; the single rank on Ray is
-    test_ray_client_steps_lose_nothing's)."""
+    shutdown. The engine also answers greedy parity with the single-process
+    engine and transformers (the parity test leaves this shape here rather
+    than start it twice; the single rank on Ray is
+    test_ray_client_steps_lose_nothing's; test_placement runs llama-gqa
+    at this shape across nodes)."""
     from rayvllm.actors.ray_core_client import RayEngineCoreClient
 
-    model_dir = models["llama-gqa"]
+    model_dir = models["qwen3-gqa-tied"]
+    prompts = _prompts()
     llm, ours, pgs = _start_engine(model_dir, dict(tensor_parallel_size=2, pipeline_parallel_size=2))
     assert sorted(ours.values()) == ["SchedulerActor"] + ["WorkerActor"] * 4
     assert len(pgs) == 1 and next(iter(pgs.values())).startswith("rayvllm-dp0-")
     _assert_torch_where_the_model_runs(ours, scheduler_runs_model=False)
     try:
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
-        got = _greedy(llm, _prompts())
+        got = _greedy(llm, prompts)
         assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
     finally:
         llm.shutdown()
     assert got == _single_process(model_dir)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(model_dir, prompt)[0]
     _assert_gone(ours, pgs)

@@ -206,31 +206,6 @@ def _live_engine_groups() -> dict[str, dict]:
     }
 
 
-def test_tp2_pp2_workers_keep_tp_on_a_node_and_cross_nodes_between_stages(
-    worker_nodes: list[str], tiny_model_dir: Path
-) -> None:
-    ex = RayExecutor(_tp2_pp2_config(tiny_model_dir))
-    name = None
-    try:
-        ex.start_workers()
-        name = _group_name(ex.pg)
-        ex.init_distributed()  # includes the TP all-reduce / PP send-recv preflight
-        assert ex.load_model() > 0
-        reported = ray.get([w.node.remote() for w in ex.workers], timeout=60)
-    finally:
-        ex.shutdown()
-    assert name is not None
-    _assert_gone(name)
-    nodes = [node_id for node_id, _ in reported]
-    # Ranks 0,1 (stage 0) and 2,3 (stage 1) are TP groups; two 2-CPU nodes
-    # for four 1-CPU ranks force the stages onto different nodes.
-    assert nodes[0] == nodes[1] and nodes[2] == nodes[3]
-    assert nodes[0] != nodes[2]
-    assert set(nodes) == set(worker_nodes)
-    # Where the actors really run is where the placement said they would.
-    assert reported == [(p.node_id, p.node_ip) for p in ex.placements]
-
-
 def test_tp2_pp2_engine_over_cluster_matches_single_process(
     worker_nodes: list[str], tiny_model_dir: Path
 ) -> None:
@@ -266,6 +241,11 @@ def test_tp2_pp2_engine_over_cluster_matches_single_process(
 
 
 def test_preflight_names_the_rank_that_did_not_answer(worker_nodes: list[str], tiny_model_dir: Path) -> None:
+    """TP=2 x PP=2 workers: each TP group on one node, the stages across
+    nodes, each rank where the placement said; then, with rank 1 killed
+    before the group forms, the preflight blames rank 1 alone. (The ranks
+    forming the group and loading the model there:
+    test_tp2_pp2_engine_over_cluster_matches_single_process.)"""
     ex = RayExecutor(_tp2_pp2_config(tiny_model_dir, distributed_timeout_s=5))
     name = None
     try:
@@ -273,7 +253,15 @@ def test_preflight_names_the_rank_that_did_not_answer(worker_nodes: list[str], t
         name = _group_name(ex.pg)
         # Let every rank come up first, so the 5 s budget is spent on forming
         # the group, not on importing torch on a busy machine.
-        ray.get([w.node.remote() for w in ex.workers], timeout=120)
+        reported = ray.get([w.node.remote() for w in ex.workers], timeout=120)
+        nodes = [node_id for node_id, _ in reported]
+        # Ranks 0,1 (stage 0) and 2,3 (stage 1) are TP groups; two 2-CPU nodes
+        # for four 1-CPU ranks force the stages onto different nodes.
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3]
+        assert nodes[0] != nodes[2]
+        assert set(nodes) == set(worker_nodes)
+        # Where the actors really run is where the placement said they would.
+        assert reported == [(p.node_id, p.node_ip) for p in ex.placements]
         ray.kill(ex.workers[1])
         # Dead before the group forms. The kill is asynchronous: a call made
         # right after it may still be answered (CI met that once), so ask
