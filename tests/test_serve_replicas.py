@@ -1,14 +1,24 @@
-"""Two Serve replicas with adapters: Serve's model multiplexing sends every
+"""Two Serve replicas with adapters. Serve's model multiplexing sends every
 request for an adapter to the replica that served it first (each replica
 reports the adapters it serves), so that replica's prefix cache under the
-adapter keeps hitting; the other replica never loads it."""
+adapter keeps hitting; the other replica never loads it.
+
+And Serve owns the engine's resources (issue 15): each LLMServer replica's
+worker bundles are reserved with it (`placement_group_bundles`), its
+SchedulerActor runs inside them, and a killed replica's group, actors and
+all, is removed when Serve replaces it; deleting the app leaves no
+placement group and no engine actor."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +27,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.serve._private.common import DeploymentID  # noqa: E402
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # noqa: E402
+from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from rayvllm import SamplingParams  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
@@ -27,6 +38,10 @@ from hf_oracle import NUM_NEW  # noqa: E402
 from lora_oracle import build_adapter, peft_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+APP = "mux"
+DEADLINE_S = 240.0
+ENGINE_ACTORS = ("SchedulerActor", "WorkerActor")
+REPLICA = f"ServeReplica:{APP}:LLMServer"
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +50,15 @@ def adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="module")
+def others(serve_local: None) -> set[str]:
+    """On the shared cluster: the ids of the placement groups and actors
+    alive before this module's app, which are not its own."""
+    return set(_live_groups(set())) | {a["ActorID"] for a in _alive(ENGINE_ACTORS + (REPLICA,), set())}
+
+
+@pytest.fixture(scope="module")
 def two_replicas(
-    serve_local: None, tiny_model_dir: Path, adapter: Path
+    others: set[str], tiny_model_dir: Path, adapter: Path
 ) -> Iterator[serve.handle.DeploymentHandle]:
     """The handle's router runs in this process. Serve sends a request for
     an adapter to another replica when the one holding it has not taken the
@@ -48,23 +70,56 @@ def two_replicas(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(request_router, "RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S", 30.0)
         yield from _two_replicas(tiny_model_dir, adapter)
+    # Deleting the app leaves none of its groups and engine actors.
+    _wait_for("every group to be removed", lambda: not _live_groups(others))
+    _wait_for("every engine actor to end", lambda: not _alive(ENGINE_ACTORS, others))
 
 
 def _two_replicas(tiny_model_dir: Path, adapter: Path) -> Iterator[serve.handle.DeploymentHandle]:
     try:
         args = dict(model=str(tiny_model_dir), enable_lora=True, max_loras=1, max_lora_rank=16, max_num_seqs=4,
                     max_model_len=256, kv_cache_memory_bytes=8 << 20)
-        app = LLMServer.options(num_replicas=2, **replica_placement(EngineArgs(**args))).bind(  # type: ignore[attr-defined]
-            args, lora_modules=[f"a={adapter}"],
-        )
-        yield serve.run(app, name="mux", route_prefix=None)
+        # Serve finds a killed replica at its next health check: soon, here.
+        app = LLMServer.options(  # type: ignore[attr-defined]
+            num_replicas=2, health_check_period_s=1, **replica_placement(EngineArgs(**args))
+        ).bind(args, lora_modules=[f"a={adapter}"])
+        yield serve.run(app, name=APP, route_prefix=None)
     finally:
-        serve.delete("mux")
+        serve.delete(APP)
+
+
+def _live_groups(others: set[str]) -> dict[str, int]:
+    """Placement groups not removed and not in `others`: id -> bundle count."""
+    table = placement_group_table()
+    return {
+        pg_id: len(info["bundles"])
+        for pg_id, info in table.items()
+        if info["state"] != "REMOVED" and pg_id not in others
+    }
+
+
+def _alive(names: tuple[str, ...], others: set[str]) -> list[dict[str, Any]]:
+    return [
+        a for a in ray._private.state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] in names and a["ActorID"] not in others
+    ]
+
+
+def _wait_for(what: str, condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)  # polling the cluster's state, which changes on its own
+
+
+def _complete(handle: serve.handle.DeploymentHandle) -> list[int]:
+    out = handle.generate.remote("Hello", {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}).result()
+    return list(out.outputs[0].token_ids)
 
 
 def _replicas_serving(model_id: str) -> list[str]:
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    states = ray.get(controller._dump_replica_states_for_testing.remote(DeploymentID("LLMServer", "mux")))
+    states = ray.get(controller._dump_replica_states_for_testing.remote(DeploymentID("LLMServer", APP)))
     return [str(r.replica_id) for r in states.get() if model_id in r.multiplexed_model_ids]
 
 
@@ -102,3 +157,26 @@ def test_requests_for_an_adapter_stay_on_its_replica(
         assert again.num_cached_tokens >= 32
         assert again.outputs[0].token_ids == peft_greedy(tiny_model_dir, adapter, ids)
     assert len(_replicas_serving("a")) == 1
+
+
+def test_two_replicas_own_their_groups_and_a_killed_one_leaks_nothing(
+    two_replicas: serve.handle.DeploymentHandle, others: set[str]
+) -> None:
+    """Plain requests (no adapter), so the multiplexing test above holds
+    whether this one runs before it or after."""
+    expected = _complete(two_replicas)
+    assert len(expected) == 3
+    groups = _live_groups(others)
+    # One group per replica: the replica's bundle plus one worker bundle,
+    # where the SchedulerActor runs the model itself (world size 1).
+    assert sorted(groups.values()) == [2, 2]
+    assert Counter(a["ActorClassName"] for a in _alive(ENGINE_ACTORS, others)) == {"SchedulerActor": 2}
+
+    victim = next(a for a in _alive((REPLICA,), others))
+    os.kill(victim["Pid"], signal.SIGKILL)
+    _wait_for("the killed replica's group to go", lambda: len(set(_live_groups(others)) & set(groups)) == 1)
+    _wait_for("Serve to replace the replica",
+              lambda: len(_live_groups(others)) == 2 and len(_alive(ENGINE_ACTORS, others)) == 2)
+    # The replacement serves the same tokens.
+    _wait_for("a healthy app", lambda: serve.status().applications[APP].status == "RUNNING")
+    assert _complete(two_replicas) == expected
