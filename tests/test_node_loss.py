@@ -52,12 +52,21 @@ def _groups() -> list[str]:
     return list(ray_state.live_placement_groups())
 
 
-def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[object]], tiny_model_dir: Path) -> None:
-    c, nodes = cluster
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path) -> list[list[int]]:
+    """PROMPTS' tokens from the in-process engine, undisturbed."""
     llm = LLM(str(tiny_model_dir), **ENGINE)
-    expected = [list(o.outputs[0].token_ids) for o in llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
-    llm.shutdown()
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_lost_node_engine_restarts_on_another(
+    cluster: tuple[Cluster, list[object]], tiny_model_dir: Path, expected: list[list[int]]
+) -> None:
+    c, nodes = cluster
 
     async def main() -> tuple[list[list[int]], str, str, int]:
         engine = async_llm_from_engine_args(
@@ -93,7 +102,7 @@ def test_lost_node_engine_restarts_on_another(cluster: tuple[Cluster, list[objec
 
 
 def test_without_room_requests_wait_until_a_node_returns(
-    cluster: tuple[Cluster, list[object]], tiny_model_dir: Path
+    cluster: tuple[Cluster, list[object]], tiny_model_dir: Path, expected: list[list[int]]
 ) -> None:
     """The engine's only node goes and no other has room: the requests wait
     (health says the engine is restarting) and finish exactly once a node
@@ -102,11 +111,6 @@ def test_without_room_requests_wait_until_a_node_returns(
     c, nodes = cluster
     while len(nodes) > 1:
         c.remove_node(nodes.pop())
-    llm = LLM(str(tiny_model_dir), **ENGINE)
-    expected = [list(o.outputs[0].token_ids) for o in llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
-    llm.shutdown()
-
     async def main() -> tuple[list[list[int]], str, list[bool]]:
         engine = async_llm_from_engine_args(EngineArgs(
             model=str(tiny_model_dir), distributed_executor_backend="ray", placement_group_timeout_s=2, **ENGINE
