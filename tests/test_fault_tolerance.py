@@ -80,7 +80,9 @@ def _alive(class_name: str) -> list[ray_state.ActorState]:
     return ray_state.actors(class_name, "ALIVE")
 
 
-async def _stream_all(engine: AsyncLLM, fault: Callable[[], None]) -> tuple[list[list[int]], int]:
+async def _stream_all(
+    engine: AsyncLLM, fault: Callable[[], None], id_prefix: str = "r"
+) -> tuple[list[list[int]], int]:
     """Every prompt of PROMPTS streamed with its PARAMS; `fault` runs once,
     when the first stream has 5 tokens. The tokens, and how many the first
     stream had then."""
@@ -88,7 +90,7 @@ async def _stream_all(engine: AsyncLLM, fault: Callable[[], None]) -> tuple[list
     at: list[int] = []
 
     async def consume(i: int) -> None:
-        async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{i}"):
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"{id_prefix}{i}"):
             tokens[i] += out.outputs[0].token_ids
             if i == 0 and len(tokens[0]) >= 5 and not at:
                 at.append(len(tokens[0]))
@@ -318,19 +320,9 @@ def test_tensor_parallel_engine_killed_is_rebuilt(
         scheduler = engine.engine_core.actor._actor_id.hex()
         (victim,) = [a for a in workers + _alive("SchedulerActor")
                      if victim_name == a.repr_name or (victim_name == a.class_name and a.actor_id == scheduler)]
-        tokens: list[list[int]] = [[] for _ in PROMPTS]
-        killed: list[int] = []
-
-        async def consume(i: int) -> None:
-            async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, PARAMS[i], f"r{round_}-{i}"):
-                tokens[i] += out.outputs[0].token_ids
-                if i == 0 and len(tokens[0]) >= 5 and not killed:
-                    # Rank 1 is not the driver: the driver then blocks in the collective.
-                    killed.append(victim.pid)
-                    os.kill(victim.pid, signal.SIGKILL)
-
-        await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
-        assert killed and engine.restarts.total == round_
+        # Rank 1 is not the driver: the driver then blocks in the collective.
+        tokens, _ = await _stream_all(engine, lambda: os.kill(victim.pid, signal.SIGKILL), f"r{round_}-")
+        assert engine.restarts.total == round_
         assert len(_alive("WorkerActor")) == 2 and not {w.pid for w in workers} & {w.pid for w in _alive("WorkerActor")}
         assert len(_live_groups()) == 1
         return tokens
