@@ -118,10 +118,10 @@ def test_ray_client_steps_lose_nothing(
     llm, ours, pgs = _start_engine(
         model_dir, dict(distributed_executor_backend="ray", async_scheduling=async_scheduling)
     )
-    assert sorted(ours.values()) == ["SchedulerActor"]
-    assert len(pgs) == 1 and next(iter(pgs.values())).startswith("rayvllm-engine-")
-    _assert_torch_where_the_model_runs(ours, scheduler_runs_model=True)
     try:
+        assert sorted(ours.values()) == ["SchedulerActor"]
+        assert len(pgs) == 1 and next(iter(pgs.values())).startswith("rayvllm-engine-")
+        _assert_torch_where_the_model_runs(ours, scheduler_runs_model=True)
         engine = llm.llm_engine
         assert engine.config.scheduler_config.async_scheduling == bool(async_scheduling)
         params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -211,10 +211,10 @@ def test_shutdown_leaves_nothing_behind(ray_local: None, models: dict[str, Path]
     model_dir = models["qwen3-gqa-tied"]
     prompts = _prompts()
     llm, ours, pgs = _start_engine(model_dir, dict(tensor_parallel_size=2, pipeline_parallel_size=2))
-    assert sorted(ours.values()) == ["SchedulerActor"] + ["WorkerActor"] * 4
-    assert len(pgs) == 1 and next(iter(pgs.values())).startswith("rayvllm-dp0-")
-    _assert_torch_where_the_model_runs(ours, scheduler_runs_model=False)
     try:
+        assert sorted(ours.values()) == ["SchedulerActor"] + ["WorkerActor"] * 4
+        assert len(pgs) == 1 and next(iter(pgs.values())).startswith("rayvllm-dp0-")
+        _assert_torch_where_the_model_runs(ours, scheduler_runs_model=False)
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
         got = _greedy(llm, prompts)
         assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
