@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -34,6 +33,7 @@ from rayvllm.config.engine_args import EngineArgs  # noqa: E402
 from rayvllm.entrypoints.openai.api_server import LLMServer  # noqa: E402
 from rayvllm.entrypoints.serve_builder import replica_placement  # noqa: E402
 
+import ray_state  # noqa: E402
 from hf_oracle import NUM_NEW  # noqa: E402
 from lora_oracle import build_adapter, peft_greedy  # noqa: E402
 
@@ -53,7 +53,7 @@ def adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def others(serve_local: None) -> set[str]:
     """On the shared cluster: the ids of the placement groups and actors
     alive before this module's app, which are not its own."""
-    return set(_live_groups(set())) | {a["ActorID"] for a in _alive(ENGINE_ACTORS + (REPLICA,), set())}
+    return set(_live_groups(set())) | {a.actor_id for a in _alive(ENGINE_ACTORS + (REPLICA,), set())}
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +98,8 @@ def _live_groups(others: set[str]) -> dict[str, int]:
     }
 
 
-def _alive(names: tuple[str, ...], others: set[str]) -> list[dict[str, Any]]:
-    return [
-        a for a in ray._private.state.actors().values()
-        if a["State"] == "ALIVE" and a["ActorClassName"] in names and a["ActorID"] not in others
-    ]
+def _alive(names: tuple[str, ...], others: set[str]) -> list[ray_state.ActorState]:
+    return [a for a in ray_state.actors(state="ALIVE") if a.class_name in names and a.actor_id not in others]
 
 
 def _wait_for(what: str, condition: Callable[[], bool]) -> None:
@@ -170,10 +167,10 @@ def test_two_replicas_own_their_groups_and_a_killed_one_leaks_nothing(
     # One group per replica: the replica's bundle plus one worker bundle,
     # where the SchedulerActor runs the model itself (world size 1).
     assert sorted(groups.values()) == [2, 2]
-    assert Counter(a["ActorClassName"] for a in _alive(ENGINE_ACTORS, others)) == {"SchedulerActor": 2}
+    assert Counter(a.class_name for a in _alive(ENGINE_ACTORS, others)) == {"SchedulerActor": 2}
 
     victim = next(a for a in _alive((REPLICA,), others))
-    os.kill(victim["Pid"], signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     _wait_for("the killed replica's group to go", lambda: len(set(_live_groups(others)) & set(groups)) == 1)
     _wait_for("Serve to replace the replica",
               lambda: len(_live_groups(others)) == 2 and len(_alive(ENGINE_ACTORS, others)) == 2)
