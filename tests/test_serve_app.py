@@ -333,30 +333,39 @@ from rayvllm import SamplingParams
 from rayvllm.entrypoints.serve_builder import LLMHandle
 ray.init(log_to_driver=False)  # RAY_ADDRESS: the server's cluster
 params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+long = SamplingParams(temperature=0, max_tokens={stream_tokens}, ignore_eos=True)
 handle = serve.get_app_handle("default")
 a = handle.generate.remote("{prompt}", params).result()
 b = ray.get(LLMHandle().generate.remote("{prompt}", params))
 async def stream():
-    return [o async for o in handle.options(stream=True).generate_stream.remote("{prompt}", params)]
+    return [o async for o in handle.options(stream=True).generate_stream.remote("{prompt}", long)]
 deltas = asyncio.run(stream())
 print(repr((a.outputs[0].text, a.finished, b.outputs[0].text, b.finished,
             "".join(d.outputs[0].text for d in deltas), deltas[-1].finished, len(deltas))))
 """
+# The streamed request's length: long enough (a few hundred steps) that a
+# replica kept off the CPU by a busy machine still reads more than one of
+# its steps as they come, not all of them at once.
+STREAM_TOKENS = 480
 
 
 def test_python_handles(server: ServeProcess, offline: LLM) -> None:
-    ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0]
+    ref, long = offline.generate(
+        [PROMPT, PROMPT],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (48, STREAM_TOKENS)],
+        use_tqdm=False,
+    )
     out = subprocess.run(
-        [sys.executable, "-c", HANDLE_SCRIPT.format(prompt=PROMPT)],
+        [sys.executable, "-c", HANDLE_SCRIPT.format(prompt=PROMPT, stream_tokens=STREAM_TOKENS)],
         cwd=REPO, env=os.environ | server.join_env(), capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     a_text, a_done, b_text, b_done, streamed, s_done, n = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307
     text = ref.outputs[0].text
-    assert (a_text, a_done, b_text, b_done, streamed, s_done) == (text, True, text, True, text, True)
+    assert (a_text, a_done, b_text, b_done, streamed, s_done) == (text, True, text, True, long.outputs[0].text, True)
     # It really streamed. Outputs that arrive while the reader is busy are
     # joined into one delta, but the reader waits on the first step (the
-    # prompt's), which carries one token of the 48.
+    # prompt's), which carries one token of the STREAM_TOKENS.
     assert n > 1
 
 
