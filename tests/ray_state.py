@@ -55,6 +55,15 @@ def actor(actor_id: str) -> ActorState:
     return _parse(raw)
 
 
+def _live_group_table() -> dict[str, dict]:
+    return {gid: g for gid, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"}
+
+
 def live_placement_groups() -> dict[str, str]:
     """Placement group id -> name, of the groups not removed."""
-    return {gid: g["name"] for gid, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"}
+    return {gid: g["name"] for gid, g in _live_group_table().items()}
+
+
+def live_placement_group_sizes() -> dict[str, int]:
+    """Placement group id -> its number of bundles, of the groups not removed."""
+    return {gid: len(g["bundles"]) for gid, g in _live_group_table().items()}

@@ -26,7 +26,6 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.serve._private.common import DeploymentID  # noqa: E402
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # noqa: E402
-from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from rayvllm import SamplingParams  # noqa: E402
 from rayvllm.config.engine_args import EngineArgs  # noqa: E402
@@ -90,12 +89,7 @@ def _two_replicas(tiny_model_dir: Path, adapter: Path) -> Iterator[serve.handle.
 
 def _live_groups(others: set[str]) -> dict[str, int]:
     """Placement groups not removed and not in `others`: id -> bundle count."""
-    table = placement_group_table()
-    return {
-        pg_id: len(info["bundles"])
-        for pg_id, info in table.items()
-        if info["state"] != "REMOVED" and pg_id not in others
-    }
+    return {pg_id: size for pg_id, size in ray_state.live_placement_group_sizes().items() if pg_id not in others}
 
 
 def _alive(names: tuple[str, ...], others: set[str]) -> list[ray_state.ActorState]:
