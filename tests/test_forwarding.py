@@ -8,15 +8,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
+import pytest
+
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rayvllm.entrypoints.openai.forwarding import ResponseHead, response_parts
+from rayvllm.entrypoints.openai.forwarding import ResponseHead, StreamPacer, response_parts
 from rayvllm.entrypoints.openai.streams import EventStream
+
+
+def _pacer(interval_s: float) -> StreamPacer:
+    return StreamPacer(min_interval_s=interval_s, max_interval_s=interval_s)
 
 
 def _parts(response: object, interval_s: float = 0.02) -> list:
     async def collect() -> list:
-        return [p async for p in response_parts(response, interval_s)]  # type: ignore[arg-type]
+        return [p async for p in response_parts(response, _pacer(interval_s))]  # type: ignore[arg-type]
 
     return asyncio.run(collect())
 
@@ -33,31 +39,85 @@ def test_a_streams_chunks_arrive_whole_and_in_order() -> None:
                 await asyncio.sleep(0.001)  # some chunks come in one window, some in another
             yield f"data: {i}\n\n"
 
-    head, first, *rest = _parts(StreamingResponse(events(), media_type="text/event-stream"), 0.005)
+    head, *parts = _parts(StreamingResponse(events(), media_type="text/event-stream"), 0.005)
     assert head.body is None and head.status == 200
-    assert first == "data: 0\n\n"  # the first goes out alone, at once
-    assert first + "".join(rest) == "".join(f"data: {i}\n\n" for i in range(30))
+    assert "".join(parts) == "".join(f"data: {i}\n\n" for i in range(30))
+    assert 1 < len(parts) < 30  # gathered, in more than one window
 
 
-def test_closing_after_the_head_ends_the_streams_requests() -> None:
+def test_the_first_chunks_go_at_once_and_the_last_when_the_stream_ends() -> None:
+    """A window of an hour: the first chunk is not held for it, and the
+    stream's end sends what the window gathered (else this waits an hour
+    and fails at the 30 s bound)."""
+    first_read = asyncio.Event()
+
+    async def events() -> AsyncGenerator[str, None]:
+        yield "data: a\n\n"
+        await first_read.wait()  # the rest is made only once the first was read
+        yield "data: b\n\n"
+        yield "data: c\n\n"
+
+    async def collect() -> list:
+        parts = []
+        async for part in response_parts(StreamingResponse(events()), _pacer(3600.0)):
+            parts.append(part)
+            if len(parts) == 2:  # the head, then the first chunk
+                first_read.set()
+        return parts
+
+    head, first, last = asyncio.run(asyncio.wait_for(collect(), 30))
+    assert (head.body, first, last) == (None, "data: a\n\n", "data: b\n\ndata: c\n\n")
+
+
+def test_a_failing_stream_sends_what_it_made_then_its_error() -> None:
+    async def events() -> AsyncGenerator[str, None]:
+        yield "data: a\n\n"
+        yield "data: b\n\n"
+        raise RuntimeError("the engine died")
+
+    async def collect(seen: list) -> None:
+        async for part in response_parts(StreamingResponse(events()), _pacer(3600.0)):
+            seen.append(part)
+
+    seen: list = []
+    with pytest.raises(RuntimeError, match="the engine died"):
+        asyncio.run(asyncio.wait_for(collect(seen), 30))
+    assert "".join(seen[1:]) == "data: a\n\ndata: b\n\n"
+
+
+def test_the_window_widens_with_the_streams_open() -> None:
+    pacer = StreamPacer(min_interval_s=0.02, max_interval_s=0.25, messages_per_s=400.0)
+    widths = []
+    for open_streams in (0, 1, 8, 64, 100, 1000):
+        pacer.open_streams = open_streams
+        widths.append(pacer.interval_s())
+    assert widths == [0.02, 0.02, 0.02, 0.16, 0.25, 0.25]
+    with pacer.pacing(), pacer.pacing():
+        assert pacer.open_streams == 1002
+    assert pacer.open_streams == 1000
+
+
+@pytest.mark.parametrize("parts_read", [1, 2], ids=["after-the-head", "mid-stream"])
+def test_closing_ends_the_streams_requests(parts_read: int) -> None:
     closed: list[bool] = []
 
     async def events() -> AsyncGenerator[str, None]:
         yield "data: 0\n\n"
-        await asyncio.sleep(3600)  # never reached: the reader leaves after the head
+        await asyncio.sleep(3600)  # never passed: the reader leaves before
         yield "data: 1\n\n"
 
     async def on_close() -> None:
         closed.append(True)
 
-    async def read_head_and_leave() -> ResponseHead:
-        parts = response_parts(StreamingResponse(EventStream(events(), on_close)))
-        head = await anext(parts)
+    async def read_and_leave() -> tuple[list, set]:
+        parts = response_parts(StreamingResponse(EventStream(events(), on_close)), StreamPacer())
+        read = [await anext(parts) for _ in range(parts_read)]
         await parts.aclose()
-        return head  # type: ignore[return-value]
+        return read, asyncio.all_tasks() - {asyncio.current_task()}
 
-    assert asyncio.run(read_head_and_leave()).body is None
-    assert closed == [True]
+    read, tasks_left = asyncio.run(read_and_leave())
+    assert read[0].body is None and read[1:] == ["data: 0\n\n"][: parts_read - 1]
+    assert closed == [True] and not tasks_left
 
 
 def test_the_server_forwards_every_route_it_serves() -> None:

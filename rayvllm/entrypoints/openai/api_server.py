@@ -25,7 +25,9 @@ from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
-from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead, forwarded_routes, response_parts
+from rayvllm.entrypoints.openai.forwarding import (
+    ForwardedChunk, ResponseHead, StreamPacer, forwarded_routes, response_parts,
+)
 from rayvllm.entrypoints.openai.http_route import Reply, openai_route
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -158,6 +160,7 @@ class LLMServerImpl:
             )(lora_for)
         self.api_key = server.api_key
         self.max_request_bytes = server.max_request_bytes
+        self._pacer = StreamPacer()
 
     async def _multiplexed_adapter(self) -> LoRARequest | None:
         """The adapter Serve routed this request for (None: none named),
@@ -407,7 +410,7 @@ class LLMServerImpl:
             if spec is not None
             else JSONResponse({"detail": "Not Found"}, 404)
         )
-        async for part in response_parts(response):
+        async for part in response_parts(response, self._pacer):
             yield part
 
     async def serve_http_whole(self, method: str, path: str, data: dict[str, Any] | None = None) -> ResponseHead:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +20,7 @@ from rayvllm.entrypoints.openai.http_route import FORWARDED_ATTR, PUBLIC_ATTR, R
 from rayvllm.entrypoints.openai.stream_resume import ProgressEvent, StreamResume
 from rayvllm.entrypoints.openai.streams import EventStream
 
-__all__ = ["ForwardedChunk", "ResponseHead", "RouteSpec", "forwarded_routes", "response_parts"]
-
-# How long a forwarded stream gathers chunks into one message after its
-# first (which goes at once): a few engine steps' worth at most, so tokens
-# still arrive in a steady trickle.
-STREAM_BATCH_INTERVAL_S = 0.02
+__all__ = ["ForwardedChunk", "ResponseHead", "RouteSpec", "StreamPacer", "forwarded_routes", "response_parts"]
 
 Forwarded = Callable[..., Awaitable[Response]]
 
@@ -67,6 +62,35 @@ class RouteSpec:
     replica_wide: bool = False
 
 
+@dataclass
+class StreamPacer:
+    """How long a server's forwarded streams gather chunks into one message
+    after their first (which goes at once). Each message costs this server
+    and the router ingress CPU that the forward needs (docs/BENCHMARKS.md,
+    the router ingress's hop), so the more streams are open, the longer
+    each gathers: about `messages_per_s` messages a second across them, each
+    stream's window within [`min_interval_s`, `max_interval_s`] (a few
+    engine steps at most, so tokens still arrive in a steady trickle).
+    Invariant: `open_streams` counts the streams between their head and
+    their end."""
+
+    min_interval_s: float = 0.02
+    max_interval_s: float = 0.25
+    messages_per_s: float = 400.0
+    open_streams: int = 0
+
+    def interval_s(self) -> float:
+        return min(self.max_interval_s, max(self.min_interval_s, self.open_streams / self.messages_per_s))
+
+    @contextlib.contextmanager
+    def pacing(self) -> Iterator[None]:
+        self.open_streams += 1
+        try:
+            yield
+        finally:
+            self.open_streams -= 1
+
+
 def forwarded_routes(app: FastAPI, owner: type) -> dict[tuple[str, str], RouteSpec]:
     """(method, path) -> the route, for every `openai_route` of `owner` that `app` serves."""
     table: dict[tuple[str, str], RouteSpec] = {}
@@ -87,13 +111,12 @@ def forwarded_routes(app: FastAPI, owner: type) -> dict[tuple[str, str], RouteSp
 
 
 async def response_parts(
-    response: Response, batch_interval_s: float = STREAM_BATCH_INTERVAL_S
+    response: Response, pacer: StreamPacer
 ) -> AsyncIterator[ResponseHead | ForwardedChunk | str | bytes]:
     """`response` as a head and, for a stream, its chunks: the first as soon
-    as it is made, then what accumulates over each `batch_interval_s`,
-    joined (a handle-stream message per SSE event costs both processes CPU
-    that the forward needs). Closing this closes the stream's iterator
-    (which ends the engine's requests)."""
+    as it is made, then what accumulates over each of `pacer`'s windows,
+    joined. Closing this closes the stream's iterator (which ends the
+    engine's requests)."""
     # The ingress's own response sets the length again (a stream has none).
     headers = [(k, v) for k, v in response.headers.items() if k != "content-length"]
     if not isinstance(response, StreamingResponse):
@@ -106,47 +129,53 @@ async def response_parts(
     resume = chunks.resume if isinstance(chunks, EventStream) else None
     async with closing:  # type: ignore[attr-defined]
         yield ResponseHead(response.status_code, headers, None, resume)
-        async for batch in _batched(chunks, batch_interval_s):
-            yield batch
+        # Closed before the stream is: its reader task must stop reading first.
+        with pacer.pacing():
+            async with contextlib.aclosing(_batched(chunks, pacer)) as batches:
+                async for batch in batches:
+                    yield batch
 
 
 async def _batched(
-    chunks: AsyncIterator[str | bytes], interval_s: float
+    chunks: AsyncIterator[str | bytes], pacer: StreamPacer
 ) -> AsyncIterator[ForwardedChunk | str | bytes]:
-    """The first chunk at once, then the chunks of each `interval_s`
-    window joined into one; the last window's as soon as the stream ends."""
-    loop = asyncio.get_running_loop()
+    """The first chunks at once, then the chunks of each of `pacer`'s
+    windows joined into one; the last window's as soon as the stream ends,
+    then the stream's error if it failed. One task reads the whole stream
+    (a task and a wait per chunk cost more than the forward's share of
+    the chunk)."""
     pending: list[Any] = []
-    deadline = 0.0
-    step = asyncio.ensure_future(anext(chunks))
+    arrived = asyncio.Event()
+
+    async def read() -> None:
+        try:
+            async for chunk in chunks:
+                pending.append(chunk)
+                arrived.set()
+        finally:
+            arrived.set()
+
+    reader = asyncio.ensure_future(read())
     try:
         first = True
         while True:
-            timeout = None if not pending else max(0.0, deadline - loop.time())
-            done, _ = await asyncio.wait({step}, timeout=timeout)
-            if not done:  # the window closed
-                yield _joined(pending)
-                pending = []
-                continue
-            try:
-                chunk = step.result()
-            except StopAsyncIteration:
-                break
-            step = asyncio.ensure_future(anext(chunks))
-            if first:
-                first = False
-                yield _joined([chunk])
-                continue
-            if not pending:
-                deadline = loop.time() + interval_s
-            pending.append(chunk)
-        if pending:
-            yield _joined(pending)
+            await arrived.wait()
+            if not first and not reader.done():
+                await asyncio.wait({reader}, timeout=pacer.interval_s())  # the window gathers
+            first = False
+            arrived.clear()
+            if pending:
+                batch = pending[:]
+                pending.clear()
+                yield _joined(batch)
+            if reader.done() and not pending:
+                reader.result()  # the stream's error, if it failed
+                return
     finally:
-        if not step.done():
-            step.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await step
+        if not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
 
 def _joined(chunks: list[Any]) -> ForwardedChunk | str | bytes:
