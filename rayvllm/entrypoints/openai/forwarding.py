@@ -141,9 +141,9 @@ async def _batched(
 ) -> AsyncIterator[ForwardedChunk | str | bytes]:
     """The first chunks at once, then the chunks of each of `pacer`'s
     windows joined into one; the last window's as soon as the stream ends,
-    then the stream's error if it failed. One task reads the whole stream
-    (a task and a wait per chunk cost more than the forward's share of
-    the chunk)."""
+    then the stream's error if it failed. One task reads the whole stream:
+    a task and a wait per chunk took the replica CPU that the forward
+    needs (docs/BENCHMARKS_HISTORY.md, sixteenth session)."""
     pending: list[Any] = []
     arrived = asyncio.Event()
 
