@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.responses import StreamingResponse
 
 from rayvllm.actors.factory import async_llm_from_engine_args
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.engine.async_llm import AsyncLLM
+from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead, StreamPacer, response_parts
 from rayvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.stream_resume import ProgressEvent, StreamResume
@@ -118,6 +120,37 @@ def test_a_resumed_stream_sends_the_rest_of_an_undisturbed_run(serving: Served, 
         if route == "chat":  # the role opens the stream once
             roles = [c for c in _chunks(sent + rest) for ch in c["choices"] if ch["delta"].get("role")]
             assert len(roles) == 1
+
+
+@pytest.mark.parametrize("case", ["greedy completion", "greedy chat"])
+def test_gathered_chunks_carry_what_their_events_carry(serving: Served, case: str) -> None:
+    """A stream as the router ingress gets it (response_parts, windows wide
+    enough that chunks gather): the same text and usage as the stream read
+    event by event, and the `StreamResume` folded from the gathered chunks
+    equals the one folded from the events."""
+    route, body = CASES[case]
+    body = {**body, "max_tokens": 48, "stream_options": {"include_usage": True}}
+    events = _events(serving, _run(serving, route, body))
+    stream = _run(serving, route, body)
+    assert stream.resume is not None
+    wide = StreamPacer(min_interval_s=0.2, max_interval_s=0.2)
+
+    async def forwarded() -> list[Any]:
+        return [part async for part in response_parts(StreamingResponse(stream), wide)]
+
+    head, *parts = serving[1].run_until_complete(forwarded())
+    assert isinstance(head, ResponseHead) and head.body is None and head.resume is stream.resume
+    gathered = "".join(p.data if isinstance(p, ForwardedChunk) else p for p in parts)
+    sent = [e + "\n\n" for e in gathered.split("\n\n") if e]
+    assert _text(sent) == _text(events)
+    assert _chunks(sent)[-1]["usage"] == _chunks(events)[-1]["usage"]
+    assert len(parts) < len(events)  # the windows gathered several events a message
+    folded = StreamResume(head.resume.response_id, head.resume.created)
+    for part in parts:
+        if isinstance(part, ForwardedChunk):
+            folded.advance(part.token_ids, part.text_chars, part.num_cached_tokens, part.finished)
+    one_by_one = _resume_after(StreamResume(head.resume.response_id, head.resume.created), events)
+    assert folded == one_by_one and len(folded.output_token_ids) == 48 and folded.finished
 
 
 def test_text_not_yet_sent_is_sent_after_the_move(serving: Served) -> None:
