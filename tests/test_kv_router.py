@@ -359,11 +359,15 @@ def _live_servers() -> list[tuple[int, Any]]:
 
 def _kill_the_busy_server(servers: list[tuple[int, Any]]) -> int:
     """SIGKILL the one server replica of `servers` running requests now;
-    their number. Every server is asked at once: the streams run on while
-    the answers come."""
-    asked = [(pid, handle.record_routing_stats.remote()) for pid, handle in servers]
-    busy = []
-    for pid, answer in asked:
+    their number. Every server is asked at once and the busy one killed as
+    soon as its answer comes: the streams run on meanwhile, and a server an
+    earlier test killed may still be starting again (its answer can take
+    seconds, by which time the streams would have ended)."""
+    asked = {handle.record_routing_stats.remote(): pid for pid, handle in servers}
+    busy: list[tuple[int, int]] = []
+    waiting = list(asked)
+    while waiting:
+        (answer,), waiting = ray.wait(waiting, num_returns=1)
         try:
             report = ray.get(answer)
         except ray.exceptions.RayTaskError as e:
@@ -374,9 +378,10 @@ def _kill_the_busy_server(servers: list[tuple[int, Any]]) -> int:
             continue
         running = decode_report(report)[0].num_running
         if running:
-            busy.append((pid, running))
+            if not busy:
+                os.kill(asked[answer], signal.SIGKILL)
+            busy.append((asked[answer], running))
     assert len(busy) == 1, busy
-    os.kill(busy[0][0], signal.SIGKILL)
     return busy[0][1]
 
 
