@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from rayvllm.entrypoints.serve_builder import DEMO_MODEL_NAME, serve_run_import_path
+from rayvllm.entrypoints.serve_builder import (
+    DEMO_MODEL_NAME, SERVE_RUN_PORT_ENV, ServeRunCommand, join_with_direct_ingress, serve_run_command,
+)
 
-from serve_harness import ServeProcess, free_port, serve_run, shipped_app_url
+from serve_harness import ServeProcess, free_port, held_port, serve_run, shipped_app_url
 
 
 def _curl_completion(base_url: str) -> dict:
@@ -212,21 +214,78 @@ def test_a_ray_connected_build_takes_the_device_from_the_cluster(
     assert explicit.init_args[0]["device"] == "cpu"
 
 
-@pytest.mark.parametrize("args,target", [
-    (["serve_app:app"], "serve_app:app"),
-    (["--app-dir", ".", "serve_app:build_app", "model=m"], "serve_app:build_app"),
-    (["-d", "src", "--name=x", "serve_app:app", "--non-blocking", "--reload"], "serve_app:app"),
-    (["serve_config.yaml", "--route-prefix", "/v"], "serve_config.yaml"),
-    # Options that shape the cluster leave it to `serve run`.
-    (["--address", "local", "serve_app:app"], None),
-    (["-a", "ray://head:10001", "serve_app:app"], None),
-    (["--runtime-env-json", "{}", "serve_app:app"], None),
-    (["--working-dir=.", "serve_app:app"], None),
+@pytest.mark.parametrize("args,command", [
+    (["serve_app:app"], ServeRunCommand("serve_app:app")),
+    (["--app-dir", ".", "serve_app:build_app", "model=m"], ServeRunCommand("serve_app:build_app")),
+    (["-d", "src", "--name=x", "serve_app:app", "--non-blocking", "--reload"], ServeRunCommand("serve_app:app")),
+    (["serve_config.yaml", "--route-prefix", "/v"], ServeRunCommand("serve_config.yaml")),
+    # Options about the cluster: the fast path takes them as `serve run` would.
+    (["--address", "local", "serve_app:app"], ServeRunCommand("serve_app:app", address="local")),
+    (["-a", "ray://head:10001", "serve_app:app"], ServeRunCommand("serve_app:app", address="ray://head:10001")),
+    (["--runtime-env-json", "{}", "serve_app:app"], ServeRunCommand("serve_app:app", runtime_env_json="{}")),
+    (["--working-dir=.", "serve_app:app", "--runtime-env", "env.yaml"],
+     ServeRunCommand("serve_app:app", working_dir=".", runtime_env_file="env.yaml")),
+    # An option not known here might change anything: left to `serve run`.
     (["--unknown", "serve_app:app"], None),
     (["serve_app:app", "--app-dir"], None),
+    (["--name", "x"], None),
 ])
-def test_serve_run_options_that_keep_the_fast_path(args: list[str], target: str | None) -> None:
-    """`serve_app` starts the cluster with direct ingress before `serve run`
-    would only when no option of the command asks for another cluster
-    (test_serve_app's server runs with `--app-dir` on the fast path)."""
-    assert serve_run_import_path(args) == target
+def test_serve_run_options_as_serve_run_reads_them(args: list[str], command: ServeRunCommand | None) -> None:
+    """`serve_app` connects and starts Serve with direct ingress before
+    `serve run` would, as `serve run` would connect (test_serve_app's
+    server runs with `--app-dir` on the fast path); it leaves an unknown
+    option to `serve run` itself."""
+    assert serve_run_command(args) == command
+    if command is not None and command.runtime_env_json is not None:
+        assert command.runtime_env() == {}
+
+
+def test_serve_run_and_the_cli_join_a_running_cluster_on_the_fast_path(
+    ray_private: None, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """On a cluster already running (as from `ray start`; here a
+    `ray.cluster_utils.Cluster`), `serve run --address` and then `rayvllm
+    serve --address` start Serve with direct ingress: the replica answers
+    the port itself (only a direct-ingress replica binds it) and Serve's
+    proxy the port above. A process that joins where Serve already runs
+    leaves Serve's settings alone (and the app to the proxy path)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        port = held_port(pair=True)
+        serve_cli = str(Path(sys.executable).with_name("serve"))
+        proc = ServeProcess(
+            [serve_cli, "run", "--address", cluster.address, "serve_app:build_app", f"model={tiny_model_dir}",
+             "max_model_len=256", f"kv_cache_memory_bytes={32 << 20}", "served_model_name=joined"],
+            tmp_path / "serve-run.log", base_url=f"http://127.0.0.1:{port}", ports=(port, port + 1),
+            env={SERVE_RUN_PORT_ENV: str(port)},
+        )
+        try:
+            proc.wait_ready()
+            proxied = requests.get(f"http://127.0.0.1:{port + 1}/v1/models", timeout=60)
+            assert proxied.status_code == 200 and proxied.json()["data"][0]["id"] == "joined"
+            r = requests.post(f"{proc.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert not join_with_direct_ingress(cluster.address, free_port())
+            assert not ray.is_initialized()
+        finally:
+            proc.stop()  # Ctrl-C: `serve run` shuts Serve down on the cluster
+        if not HAS_CLI:
+            return
+        port, proxy_port = free_port(), free_port()
+        cli = ServeProcess(
+            [str(Path(sys.executable).with_name("rayvllm")), "serve", "--address", cluster.address, "--model",
+             str(tiny_model_dir), "--served-model-name", "joined-cli", "--max-model-len", "256",
+             "--kv-cache-memory-bytes", str(32 << 20), "--port", str(port), "--proxy-port", str(proxy_port)],
+            tmp_path / "cli.log", base_url=f"http://127.0.0.1:{port}", ports=(port, proxy_port),
+        )
+        try:
+            cli.wait_ready()
+            models = requests.get(f"http://127.0.0.1:{proxy_port}/v1/models", timeout=60).json()
+            assert [m["id"] for m in models["data"]] == ["joined-cli"]
+        finally:
+            cli.stop()
+    finally:
+        cluster.shutdown()

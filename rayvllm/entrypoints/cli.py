@@ -90,21 +90,24 @@ def _serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from rayvllm.entrypoints.serve_builder import DEFAULT_APP_NAME, build_app, direct_ingress_env, drain_on_sigterm
+    from rayvllm.entrypoints.serve_builder import (
+        DEFAULT_APP_NAME, build_app, direct_ingress_env, drain_on_sigterm, join_with_direct_ingress,
+    )
 
     args = {**engine_args_from(ns).model_dump(exclude_unset=True), **given_args(ns, ServerArgs)}
     app = build_app(args)
-    if ns.address is None and ns.direct_ingress:
+    proxy_port = ns.proxy_port if ns.proxy_port is not None else ns.port + 1
+    if ns.direct_ingress and ns.address is None:
         # This command starts the cluster, so it can give it the settings
         # that put the replica itself on --port (the proxy moves aside).
         os.environ.update(direct_ingress_env(ns.port, ns.host))
         ray.init(address="local")
         drain_on_sigterm()
-        proxy_port = ns.proxy_port if ns.proxy_port is not None else ns.port + 1
-    else:
+        serve.start(http_options={"host": ns.host, "port": proxy_port})
+    elif not (ns.direct_ingress and join_with_direct_ingress(ns.address, ns.port, ns.host, proxy_port)):
+        # No direct ingress, or Serve already runs on that cluster with its own settings.
         ray.init(address=ns.address)
-        proxy_port = ns.port
-    serve.start(http_options={"host": ns.host, "port": proxy_port})
+        serve.start(http_options={"host": ns.host, "port": ns.port})
     try:
         serve.run(app, name=DEFAULT_APP_NAME, route_prefix="/", blocking=True)
     except KeyboardInterrupt:
@@ -132,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None,
                      help="join this Ray cluster ('auto': the one running here); default: start a local one")
     srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=True,
-                     help="on a cluster this command starts, the replica answers --port itself, without "
-                          "Serve's proxy hop (default: on)")
+                     help="the replica answers --port itself, without Serve's proxy hop, on a cluster this "
+                          "command starts or joins where Serve does not yet run (default: on)")
     srv.add_argument("--proxy-port", type=int, default=None,
                      help="Serve's HTTP proxy port (default: --port + 1 with direct ingress, else --port)")
     add_model_args(srv, ServerArgs)

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,59 +112,121 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
 
     `serve run` of an import path puts Serve's proxy on :8000, and the
     replica answers HTTP itself (direct ingress, a fraction of the proxy
-    path's TTFT: docs/BENCHMARKS.md) only on a cluster started with it. But it
-    imports the app before it calls `ray.init`, and then uses the cluster
-    and the Serve instance it finds running. So when this process is that
-    command about to start a local cluster (no option that shapes the
-    cluster, see `serve_run_import_path`; no RAY_ADDRESS, no cluster
-    running here, no direct-ingress setting of the user's), start both now:
-    the replica answers `port` itself and Serve's proxy moves to `port + 1`.
-    `port`: by default `SERVE_RUN_PORT_ENV`'s value, else `SERVE_RUN_PORT`.
-    Returns whether it did; otherwise `serve run` goes on as it would (proxy
-    on :8000)."""
+    path's TTFT: docs/BENCHMARKS.md) only where Serve's controller and
+    replicas start with the direct-ingress settings. But it imports the app
+    before it calls `ray.init`, and then uses the Ray connection and the
+    Serve instance it finds. So when this process is that command (its
+    options all known, see `serve_run_command`; no direct-ingress setting
+    of the user's), connect as it would and start Serve now with those
+    settings: on a local cluster it starts, in the cluster's environment;
+    on a running one (`--address`, RAY_ADDRESS, a `ray start` here), in
+    the job's runtime environment (`join_with_direct_ingress`). The
+    replica then answers `port` itself and Serve's proxy moves to
+    `port + 1`. `port`: by default `SERVE_RUN_PORT_ENV`'s value, else
+    `SERVE_RUN_PORT`. Returns whether it did; otherwise `serve run` goes on
+    as it would (proxy on :8000)."""
     argv = sys.argv if argv is None else argv
     if port is None:
         port = int(os.environ.get(SERVE_RUN_PORT_ENV, SERVE_RUN_PORT))
     if len(argv) < 3 or Path(argv[0]).name != "serve" or argv[1] != "run":
         return False
-    target = serve_run_import_path(argv[2:])
-    if target is None or Path(target).is_file():
-        return False  # a cluster-shaping option, or a config file: `serve run` applies them itself
+    command = serve_run_command(argv[2:])
+    if command is None or Path(command.target).is_file():
+        return False  # an unknown option, or a config file (its own proxy and HTTP settings)
     if ray.is_initialized() or any(k.startswith("RAY_SERVE_") and "DIRECT_INGRESS" in k for k in os.environ):
         return False
+    runtime_env = command.runtime_env()
+    if any("DIRECT_INGRESS" in k for k in runtime_env.get("env_vars", {})):
+        return False
+    address = command.address if command.address is not None else os.environ.get("RAY_ADDRESS") or None
+    if address is not None and address.startswith("ray://"):
+        return False  # Ray Client: the driver is not on the cluster
     from ray._private.services import canonicalize_bootstrap_address
 
-    if canonicalize_bootstrap_address(None) is not None:
-        return False  # RAY_ADDRESS, or a cluster from `ray start` that `serve run` would join
     if not wait_for_port(port):
         return False  # taken by a live server: `serve run` reports it
-    os.environ.update(direct_ingress_env(port))
-    ray.init(namespace=SERVE_NAMESPACE)
-    serve.start(http_options={"host": "127.0.0.1", "port": port + 1})
-    drain_on_sigterm()
-    return True
+    if address in (None, "local") and canonicalize_bootstrap_address(address) is None:
+        # `serve run` would start a local cluster: start it with the settings.
+        os.environ.update(direct_ingress_env(port))
+        ray.init(address=address, namespace=SERVE_NAMESPACE, runtime_env=runtime_env or None)
+        serve.start(http_options={"host": "127.0.0.1", "port": port + 1})
+        drain_on_sigterm()
+        return True
+    return join_with_direct_ingress(address, port, runtime_env=runtime_env)
 
 
-# `serve run`'s options that leave the cluster as `ray.init()` would start
-# it here: with a value, and without.
-_SERVE_RUN_VALUE_OPTIONS = frozenset({"--app-dir", "-d", "--route-prefix", "--name"})
+def join_with_direct_ingress(
+    address: str | None, port: int, host: str = "127.0.0.1", proxy_port: int | None = None,
+    runtime_env: dict[str, Any] | None = None,
+) -> bool:
+    """Connect to the running cluster at `address` (None: the one `ray.init`
+    finds) and start Serve there with direct ingress on `port` (its proxy
+    on `proxy_port`, by default `port + 1`), the settings in this job's runtime environment (with
+    `runtime_env`'s own): Ray gives a job's runtime environment to the
+    actors it creates, Serve's controller among them, and they to theirs.
+    Where Serve already runs on the cluster it keeps its own settings, so
+    this disconnects again and returns False: the caller goes on as Serve
+    would (the proxy path, unless the cluster was started with the
+    settings)."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME
+
+    runtime_env = dict(runtime_env or {})
+    runtime_env["env_vars"] = {**direct_ingress_env(port, host), **runtime_env.get("env_vars", {})}
+    ray.init(address=address, namespace=SERVE_NAMESPACE, runtime_env=runtime_env)
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        serve.start(http_options={"host": host, "port": port + 1 if proxy_port is None else proxy_port})
+        return True
+    ray.shutdown()
+    return False
+
+
+# `serve run`'s options (as its click command spells them) that take a
+# value, by the `ServeRunCommand` field they set (None: not one about the
+# cluster), and those that take none.
+_SERVE_RUN_VALUE_OPTIONS: dict[str, str | None] = {
+    "--app-dir": None, "-d": None, "--route-prefix": None, "--name": None,
+    "--address": "address", "-a": "address", "--runtime-env": "runtime_env_file",
+    "--runtime-env-json": "runtime_env_json", "--working-dir": "working_dir",
+}
 _SERVE_RUN_FLAGS = frozenset({"--blocking", "--non-blocking", "--reload", "-r"})
 
 
-def serve_run_import_path(args: Sequence[str]) -> str | None:
-    """The import path (or config file) of `serve run ARGS`, or None when
-    an option shapes the cluster: a runtime environment or working
-    directory (`serve run` hands them to its own `ray.init`), an address
-    (a cluster to join, or `local`, which `serve run` would then find
-    contradicted), or an option not known here."""
+@dataclass(frozen=True)
+class ServeRunCommand:
+    """What `serve run ARGS` says about the cluster it runs on: its target
+    (import path or config file), the address it joins, its runtime
+    environment's options."""
+
+    target: str
+    address: str | None = None
+    runtime_env_file: str | None = None
+    runtime_env_json: str | None = None
+    working_dir: str | None = None
+
+    def runtime_env(self) -> dict[str, Any]:
+        """The runtime environment `serve run` gives its `ray.init` (read by Ray's own parser)."""
+        from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
+
+        return parse_runtime_env_args(
+            runtime_env=self.runtime_env_file, runtime_env_json=self.runtime_env_json, working_dir=self.working_dir
+        )
+
+
+def serve_run_command(args: Sequence[str]) -> ServeRunCommand | None:
+    """`serve run ARGS` as its click command reads them, or None for an
+    option not known here (which might change what `serve run` does) or
+    no target."""
     positional: list[str] = []
+    values: dict[str, str] = {}
     rest = list(args)
     while rest:
         arg = rest.pop(0)
         if not arg.startswith("-"):
             positional.append(arg)
             continue
-        name, sep, _ = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        name, sep, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
         if name in _SERVE_RUN_FLAGS and not sep:
             continue
         if name not in _SERVE_RUN_VALUE_OPTIONS:
@@ -171,8 +234,11 @@ def serve_run_import_path(args: Sequence[str]) -> str | None:
         if not sep:
             if not rest:
                 return None
-            rest.pop(0)
-    return positional[0] if positional else None
+            value = rest.pop(0)
+        field = _SERVE_RUN_VALUE_OPTIONS[name]
+        if field is not None:
+            values[field] = value
+    return ServeRunCommand(positional[0], **values) if positional else None
 
 
 def drain_on_sigterm() -> None:
