@@ -16,8 +16,11 @@ and machine state:
            With --rayvllm-ingress direct (the default) the cluster starts
            with Serve's direct ingress (serve_builder.direct_ingress_env) and
            the benchmark talks to the replica on http://127.0.0.1:8200, as
-           `rayvllm serve` serves; with proxy, to Serve's proxy on
-           http://127.0.0.1:8000. Ready when GET /health is 200 and GET
+           `rayvllm serve` serves; with proxy (RAY_SERVE_ENABLE_DIRECT_INGRESS=0,
+           which serve_app leaves alone), to Serve's proxy on
+           http://127.0.0.1:8000; with joined, `ray start --head` first
+           and `serve run` joins it (RAY_ADDRESS), where serve_app puts the
+           replica itself on http://127.0.0.1:8000. Ready when GET /health is 200 and GET
            /v1/models lists a model. Stopped with SIGINT to its process group
            (Serve shuts down), then every process left in its session is
            killed, then `ray stop --force` unless a Ray cluster that is not ours
@@ -229,6 +232,13 @@ def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _free_port() -> int:
+    """A port free now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _listening_inodes(port: int) -> set[int]:
@@ -468,15 +478,34 @@ def rayvllm_launch(model: str, args: argparse.Namespace) -> ServerLaunch:
         app_args.append(item)
     env = dict(os.environ)
     port = RAYVLLM_PROXY_PORT
+    # --address local: a fresh local cluster, never someone else's `ray start` cluster.
+    argv = [serve, "run", "--address", "local", "serve_app:build_app", *app_args]
     if args.rayvllm_ingress == "direct":
         from rayvllm.entrypoints.serve_builder import direct_ingress_env
 
         env |= direct_ingress_env(RAYVLLM_DIRECT_PORT)
         port = RAYVLLM_DIRECT_PORT
+    elif args.rayvllm_ingress == "joined":
+        # A cluster from `ray start` (in this server's session, swept with
+        # it), which `serve run` joins: serve_app starts Serve there with
+        # direct ingress on serve run's port, the proxy one above.
+        ray_exe = str(Path(serve).with_name("ray"))
+        gcs_port = _free_port()
+        # Token authentication on both sides, as in the local cluster that
+        # `ray.init` starts (a driver joining by address follows the
+        # cluster's mode only when told).
+        env |= {"RAY_ADDRESS": f"127.0.0.1:{gcs_port}", "RAY_AUTH_MODE": "token"}
+        start = [ray_exe, "start", "--head", f"--port={gcs_port}", "--include-dashboard=false",
+                 "--disable-usage-stats"]
+        token = [ray_exe, "get-auth-token", "--generate"]
+        argv = ["bash", "-c", f"{shlex.join(token)} > /dev/null && {shlex.join(start)} > /dev/null && "
+                              f"exec {shlex.join(argv[:2] + argv[4:])}"]
+    else:
+        # A direct-ingress setting of the user's: serve_app leaves Serve as it is.
+        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"
     return ServerLaunch(
         name="rayvllm",
-        # --address local: a fresh local cluster, never someone else's `ray start` cluster.
-        argv=[serve, "run", "--address", "local", "serve_app:build_app", *app_args],
+        argv=argv,
         env=env,
         cwd=str(REPO_ROOT),
         port=port,
@@ -1101,8 +1130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="max_num_seqs for both launched servers")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="vLLM --max-model-len (default: the model's max_position_embeddings)")
-    p.add_argument("--rayvllm-ingress", choices=("direct", "proxy"), default="direct",
-                   help="talk to the replica itself (Serve's direct ingress) or through Serve's proxy")
+    p.add_argument("--rayvllm-ingress", choices=("direct", "proxy", "joined"), default="direct",
+                   help="talk to the replica itself (Serve's direct ingress), through Serve's proxy, or "
+                        "to the replica of a `serve run` that joined a cluster from `ray start`")
     p.add_argument("--rayvllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra `serve run serve_app:build_app` argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARGS",
