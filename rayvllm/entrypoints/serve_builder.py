@@ -161,9 +161,10 @@ def join_with_direct_ingress(
 ) -> bool:
     """Connect to the running cluster at `address` (None: the one `ray.init`
     finds) and start Serve there with direct ingress on `port` (its proxy
-    on `proxy_port`, by default `port + 1`), the settings in this job's runtime environment (with
-    `runtime_env`'s own): Ray gives a job's runtime environment to the
-    actors it creates, Serve's controller among them, and they to theirs.
+    on `proxy_port`, by default `port + 1`), the settings in this job's
+    runtime environment (with `runtime_env`'s own): Ray gives a job's
+    runtime environment to the actors it creates, Serve's controller among
+    them, and they to theirs.
     Where Serve already runs on the cluster it keeps its own settings, so
     this disconnects again and returns False: the caller goes on as Serve
     would (the proxy path, unless the cluster was started with the
