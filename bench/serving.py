@@ -234,13 +234,6 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _free_port() -> int:
-    """A port free now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening_inodes(port: int) -> set[int]:
     """Socket inodes of every TCP (v4 and v6) socket in LISTEN state on `port`."""
     inodes: set[int] = set()
@@ -478,19 +471,22 @@ def rayvllm_launch(model: str, args: argparse.Namespace) -> ServerLaunch:
         app_args.append(item)
     env = dict(os.environ)
     port = RAYVLLM_PROXY_PORT
+    target = ["serve_app:build_app", *app_args]
     # --address local: a fresh local cluster, never someone else's `ray start` cluster.
-    argv = [serve, "run", "--address", "local", "serve_app:build_app", *app_args]
+    argv = [serve, "run", "--address", "local", *target]
     if args.rayvllm_ingress == "direct":
         from rayvllm.entrypoints.serve_builder import direct_ingress_env
 
         env |= direct_ingress_env(RAYVLLM_DIRECT_PORT)
         port = RAYVLLM_DIRECT_PORT
     elif args.rayvllm_ingress == "joined":
+        from rayvllm.utils.network import free_port
+
         # A cluster from `ray start` (in this server's session, swept with
         # it), which `serve run` joins: serve_app starts Serve there with
         # direct ingress on serve run's port, the proxy one above.
         ray_exe = str(Path(serve).with_name("ray"))
-        gcs_port = _free_port()
+        gcs_port = free_port()
         # Token authentication on both sides, as in the local cluster that
         # `ray.init` starts (a driver joining by address follows the
         # cluster's mode only when told).
@@ -499,7 +495,7 @@ def rayvllm_launch(model: str, args: argparse.Namespace) -> ServerLaunch:
                  "--disable-usage-stats"]
         token = [ray_exe, "get-auth-token", "--generate"]
         argv = ["bash", "-c", f"{shlex.join(token)} > /dev/null && {shlex.join(start)} > /dev/null && "
-                              f"exec {shlex.join(argv[:2] + argv[4:])}"]
+                              f"exec {shlex.join([serve, 'run', *target])}"]
     else:
         # A direct-ingress setting of the user's: serve_app leaves Serve as it is.
         env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"

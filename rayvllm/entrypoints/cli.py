@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -91,20 +90,16 @@ def _serve(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from rayvllm.entrypoints.serve_builder import (
-        DEFAULT_APP_NAME, build_app, direct_ingress_env, drain_on_sigterm, join_with_direct_ingress,
+        DEFAULT_APP_NAME, build_app, join_with_direct_ingress, start_with_direct_ingress,
     )
 
     args = {**engine_args_from(ns).model_dump(exclude_unset=True), **given_args(ns, ServerArgs)}
     app = build_app(args)
-    proxy_port = ns.proxy_port if ns.proxy_port is not None else ns.port + 1
     if ns.direct_ingress and ns.address is None:
         # This command starts the cluster, so it can give it the settings
         # that put the replica itself on --port (the proxy moves aside).
-        os.environ.update(direct_ingress_env(ns.port, ns.host))
-        ray.init(address="local")
-        drain_on_sigterm()
-        serve.start(http_options={"host": ns.host, "port": proxy_port})
-    elif not (ns.direct_ingress and join_with_direct_ingress(ns.address, ns.port, ns.host, proxy_port)):
+        start_with_direct_ingress(ns.port, ns.host, ns.proxy_port)
+    elif not (ns.direct_ingress and join_with_direct_ingress(ns.address, ns.port, ns.host, ns.proxy_port)):
         # No direct ingress, or Serve already runs on that cluster with its own settings.
         ray.init(address=ns.address)
         serve.start(http_options={"host": ns.host, "port": ns.port})

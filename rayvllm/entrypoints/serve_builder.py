@@ -147,12 +147,24 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
         return False  # taken by a live server: `serve run` reports it
     if address in (None, "local") and canonicalize_bootstrap_address(address) is None:
         # `serve run` would start a local cluster: start it with the settings.
-        os.environ.update(direct_ingress_env(port))
-        ray.init(address=address, namespace=SERVE_NAMESPACE, runtime_env=runtime_env or None)
-        serve.start(http_options={"host": "127.0.0.1", "port": port + 1})
-        drain_on_sigterm()
+        start_with_direct_ingress(port, address=address, runtime_env=runtime_env)
         return True
     return join_with_direct_ingress(address, port, runtime_env=runtime_env)
+
+
+def start_with_direct_ingress(
+    port: int, host: str = "127.0.0.1", proxy_port: int | None = None, address: str | None = "local",
+    runtime_env: dict[str, Any] | None = None,
+) -> None:
+    """Start a local cluster (`ray.init(address)`) and Serve on it with
+    direct ingress on `port` (its proxy on `proxy_port`, by default
+    `port + 1`): the settings go in this process's environment, which the
+    cluster's processes inherit. This process owns the cluster, so SIGTERM
+    then stops it as Ctrl-C does (`drain_on_sigterm`)."""
+    os.environ.update(direct_ingress_env(port, host))
+    ray.init(address=address, namespace=SERVE_NAMESPACE, runtime_env=runtime_env or None)
+    drain_on_sigterm()
+    _start_serve(port, host, proxy_port)
 
 
 def join_with_direct_ingress(
@@ -177,10 +189,15 @@ def join_with_direct_ingress(
     try:
         ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     except ValueError:
-        serve.start(http_options={"host": host, "port": port + 1 if proxy_port is None else proxy_port})
+        _start_serve(port, host, proxy_port)
         return True
     ray.shutdown()
     return False
+
+
+def _start_serve(port: int, host: str, proxy_port: int | None) -> None:
+    """Serve on the connected cluster, its proxy beside a direct-ingress `port`."""
+    serve.start(http_options={"host": host, "port": port + 1 if proxy_port is None else proxy_port})
 
 
 # `serve run`'s options (as its click command spells them) that take a
