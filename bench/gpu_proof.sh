@@ -4,7 +4,8 @@
 # Ray, no network and no install.
 #
 #   bash bench/gpu_proof.sh [DIR]          # results in DIR, else $OUT, else bench/results/gpu_proof
-#   bash bench/gpu_proof.sh --smoke [DIR]  # the same steps on the CPU at tiny sizes (CI)
+#   bash bench/gpu_proof.sh --smoke [DIR]  # the same steps on the CPU at tiny sizes (CI); the
+#                                          # test-file steps only collected (the suite runs them)
 #
 # Steps, each under its own time limit, each reported as soon as it ends.
 # First the essentials, one at a time (under 5 minutes with setup): greedy
@@ -143,14 +144,19 @@ pytest_step() {
     # GPU machine may lack xdist, and a step picks its own -n. No step's
     # tests use hypothesis, whose plugin takes a second to import.
     run_limited "$name" "$limit" "$log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -p no:hypothesispytest \
-        -o addopts= "$file" "$@" \
+        -o addopts= "${COLLECT_ONLY[@]}" "$file" "$@" \
         || return
-    # pytest's last line: "3 passed, 2 skipped in 4.1s" (or "no tests ran").
+    # pytest's last line: "3 passed, 2 skipped in 4.1s", "8/61 tests
+    # collected (53 deselected) in 0.5s" (or "no tests ran").
     local counts status
-    counts=$(grep -E '[0-9]+ (passed|failed|skipped|error|errors|deselected)|no tests ran' "$log" | tail -n 1 \
-        | sed -E 's/=+//g; s/^ +//; s/ +$//; s/ in [0-9.]+s.*$//')
+    counts=$(grep -E '[0-9]+ (passed|failed|skipped|error|errors|deselected)|[0-9]+ tests? collected|no tests ran' \
+        "$log" | tail -n 1 | sed -E 's/=+//g; s/^ +//; s/ +$//; s/ in [0-9.]+s.*$//')
     status=$(status_of "$RC")
-    if [ "$RC" = 0 ] && ! grep -q passed <<< "$counts"; then status=skipped; fi
+    if [ "$RC" = 0 ] && [ "$SMOKE" = 1 ]; then
+        status=collected
+    elif [ "$RC" = 0 ] && ! grep -q passed <<< "$counts"; then
+        status=skipped
+    fi
     [ "$RC" = 5 ] && status="failed (no tests ran)"
     [ "$status" = timeout ] && counts="killed at its ${LIMIT} s limit; $(grep -cE '(PASSED|FAILED|ERROR)' "$log") results logged"
     record "$name" "$status" "$WALL" "$LIMIT" "$counts"
@@ -305,6 +311,9 @@ report
 # ---------------------------------------------------------------- steps
 # Smoke mode: pytest -k selections and bench sizes small enough for CI.
 if [ "$SMOKE" = 1 ]; then
+    # The suite runs these very test files; here they are only collected,
+    # which proves each step's file and -k selection as the GPU run uses them.
+    COLLECT_ONLY=(--collect-only)
     K_KERNELS=(-k "split4-decode-f32-bs8 or num_kv_splits or tiles_per_head_size")
     K_BACKENDS=(-k "test_auto_picks_by_device_and_availability")
     K_GRAPHS=(-k "test_capture_sizes or test_padded_size")
@@ -315,6 +324,7 @@ if [ "$SMOKE" = 1 ]; then
     SWEEP=(--batch-sizes 2 --context-len 20 --splits 1,2 --block-n 16 --iters 1 --copy-mib 8)
     THROUGHPUT=(--preset tiny --engines rayvllm,transformers --num-seqs 4 --min-len 8 --max-len 16)
 else
+    COLLECT_ONLY=()
     K_KERNELS=() K_BACKENDS=() K_GRAPHS=() K_SETUP=()
     DEVICE=cuda
     B_FIRST=64 B_LATER=256
