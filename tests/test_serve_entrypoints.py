@@ -240,15 +240,16 @@ def test_serve_run_options_as_serve_run_reads_them(args: list[str], command: Ser
         assert command.runtime_env() == {}
 
 
-def test_serve_run_and_the_cli_join_a_running_cluster_on_the_fast_path(
+def test_serve_run_joins_a_running_cluster_on_the_fast_path(
     ray_private: None, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """On a cluster already running (as from `ray start`; here a
-    `ray.cluster_utils.Cluster`), `serve run --address` and then `rayvllm
-    serve --address` start Serve with direct ingress: the replica answers
-    the port itself (only a direct-ingress replica binds it) and Serve's
-    proxy the port above. A process that joins where Serve already runs
-    leaves Serve's settings alone (and the app to the proxy path)."""
+    `ray.cluster_utils.Cluster`), `serve run --address` starts Serve with
+    direct ingress: the replica answers the port itself (only a
+    direct-ingress replica binds it) and Serve's proxy the port above. A
+    process that joins where Serve already runs leaves Serve's settings
+    alone (and the app to the proxy path). `rayvllm serve --address` makes
+    the same join (test_the_cli_starts_or_joins_its_cluster)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -272,20 +273,39 @@ def test_serve_run_and_the_cli_join_a_running_cluster_on_the_fast_path(
             assert not ray.is_initialized()
         finally:
             proc.stop()  # Ctrl-C: `serve run` shuts Serve down on the cluster
-        if not HAS_CLI:
-            return
-        port, proxy_port = free_port(), free_port()
-        cli = ServeProcess(
-            [str(Path(sys.executable).with_name("rayvllm")), "serve", "--address", cluster.address, "--model",
-             str(tiny_model_dir), "--served-model-name", "joined-cli", "--max-model-len", "256",
-             "--kv-cache-memory-bytes", str(32 << 20), "--port", str(port), "--proxy-port", str(proxy_port)],
-            tmp_path / "cli.log", base_url=f"http://127.0.0.1:{port}", ports=(port, proxy_port),
-        )
-        try:
-            cli.wait_ready()
-            models = requests.get(f"http://127.0.0.1:{proxy_port}/v1/models", timeout=60).json()
-            assert [m["id"] for m in models["data"]] == ["joined-cli"]
-        finally:
-            cli.stop()
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("options,calls", [
+    ([], [("start", 9000, "127.0.0.1", None)]),
+    (["--address", "10.0.0.2:6379", "--proxy-port", "9005"], [("join", "10.0.0.2:6379", 9000, "127.0.0.1", 9005)]),
+    # Serve already runs there with settings of its own: the app goes to its proxy.
+    (["--address", "auto"], [("join", "auto", 9000, "127.0.0.1", None), ("init", "auto"), ("serve.start", 9000)]),
+    (["--no-direct-ingress"], [("init", None), ("serve.start", 9000)]),
+])
+def test_the_cli_starts_or_joins_its_cluster(
+    monkeypatch: pytest.MonkeyPatch, options: list[str], calls: list[tuple[object, ...]]
+) -> None:
+    """`rayvllm serve` starts a local cluster with direct ingress, or joins
+    `--address` through the same join as `serve run --address` (whose real
+    run is test_serve_run_joins_a_running_cluster_on_the_fast_path), and
+    then runs the app as the default application, blocking."""
+    import ray
+    from ray import serve
+
+    from rayvllm.entrypoints import cli, serve_builder
+
+    made: list[tuple[object, ...]] = []
+    monkeypatch.setattr(serve_builder, "start_with_direct_ingress", lambda *a: made.append(("start", *a)))
+    # A join finds Serve already running on the "auto" cluster.
+    monkeypatch.setattr(serve_builder, "join_with_direct_ingress",
+                        lambda address, *a: made.append(("join", address, *a)) is None and address != "auto")
+    monkeypatch.setattr(ray, "init", lambda address=None: made.append(("init", address)))
+    monkeypatch.setattr(serve, "start", lambda http_options: made.append(("serve.start", http_options["port"])))
+    runs: list[tuple[str, str, bool]] = []
+    monkeypatch.setattr(serve, "run",
+                        lambda app, name, route_prefix, blocking: runs.append((name, route_prefix, blocking)))
+    assert cli.main(["serve", "--model", "m", "--port", "9000", "--host", "127.0.0.1", *options]) == 0
+    assert made == calls
+    assert runs == [(serve_builder.DEFAULT_APP_NAME, "/", True)]
