@@ -37,6 +37,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from rayvllm.actors.niceness import rank_runtime_env
 from rayvllm.config import ParallelConfig
 from rayvllm.messages.errors import InvalidParameterError, PlacementError
 
@@ -252,14 +253,8 @@ def scheduler_actor_options(
         strategy: Any = PlacementGroupSchedulingStrategy(reserved.pg, placement_group_bundle_index=bundle)
     else:
         strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    return {"scheduling_strategy": strategy, "runtime_env": HOT_PATH_RUNTIME_ENV}, None
+    return {"scheduling_strategy": strategy, "runtime_env": rank_runtime_env()}, None
 
-
-# Ray starts worker processes at nice 15 so that its own daemons win any
-# contention. The engine's actors are the latency path: at 15 a rank's OpenMP
-# thread loses its core to the engine loop or raylet mid-forward (measured at
-# TP=1 on 2 cores: worker forward 6.5-7.5 ms at nice 15, 6.3-6.8 ms at 0).
-HOT_PATH_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def rank_actor_options(
@@ -274,7 +269,7 @@ def rank_actor_options(
     return {
         "num_cpus": bundle.get("CPU", 0.0),
         "num_gpus": bundle.get("GPU", 0.0),
-        "runtime_env": HOT_PATH_RUNTIME_ENV,
+        "runtime_env": rank_runtime_env(),
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg,
             placement_group_bundle_index=placement.bundle_index,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rayvllm.actors.niceness import lower_to_zero
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import accept, open_listener
 from rayvllm.engine.local_pipe import SocketConnection
@@ -52,6 +53,7 @@ class SchedulerActor:
     (and `check_health`, which only asks the workers)."""
 
     def __init__(self) -> None:
+        lower_to_zero()
         self.config: EngineConfig | None = None
         self.core: EngineCore | None = None
         self._loop_thread: threading.Thread | None = None

@@ -6,6 +6,7 @@ from typing import Any
 
 import ray
 
+from rayvllm.actors.niceness import lower_to_zero
 from rayvllm.config import EngineConfig
 from rayvllm.distributed.rpc_channel import ChannelServer
 from rayvllm.messages.engine_types import ModelRunnerOutput
@@ -19,6 +20,7 @@ class WorkerActor:
     (the default actor concurrency of 1): every rank sees steps in order."""
 
     def __init__(self, config: EngineConfig, rank: int, dp_rank: int = 0) -> None:
+        lower_to_zero()
         # First: `__repr__` names the actor in the error if the worker fails to build.
         self.rank = rank
         self.dp_rank = dp_rank if config.parallel_config.data_parallel_size > 1 else None

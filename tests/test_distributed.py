@@ -188,6 +188,16 @@ def _assert_torch_where_the_model_runs(ours: dict[str, str], scheduler_runs_mode
         assert loads_torch == (name == "WorkerActor" or scheduler_runs_model), name
 
 
+def _assert_every_thread_at_niceness_0(ours: dict[str, str]) -> None:
+    """The engine's actors run the latency path: Ray starts a worker at 15,
+    the actor lowers itself (actors/niceness.py), torch's threads included."""
+    pids = {a.actor_id: a.pid for a in ray_state.actors() if a.actor_id in ours}
+    for actor_id, name in ours.items():
+        tasks = Path(f"/proc/{pids[actor_id]}/task")
+        nice = {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
+        assert nice == {0}, (name, nice)
+
+
 def _assert_gone(ours: dict[str, str], pgs: dict[str, str]) -> None:
     """The actors (and with their processes, the gloo process groups) are
     gone; a killed actor's state turns DEAD asynchronously, so poll."""
@@ -218,6 +228,7 @@ def test_shutdown_leaves_nothing_behind(ray_local: None, models: dict[str, Path]
         assert isinstance(llm.llm_engine.engine_core, RayEngineCoreClient)
         got = _greedy(llm, prompts)
         assert llm.llm_engine.engine_core.make_stats().num_preemptions > 0
+        _assert_every_thread_at_niceness_0(ours)
     finally:
         llm.shutdown()
     assert got == _single_process(model_dir)

@@ -26,7 +26,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayvllm.actors.placement import HOT_PATH_RUNTIME_ENV, deployment_bundles, worker_bundles
+from rayvllm.actors.niceness import HOT_PATH_RUNTIME_ENV
+from rayvllm.actors.placement import deployment_bundles, worker_bundles
 from rayvllm.data.config import EngineProcessorConfig
 from rayvllm.data.rows import RowStages
 from rayvllm.messages.errors import EngineDeadError, PlacementError

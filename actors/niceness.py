@@ -1,0 +1,74 @@
+"""The engine's actors at niceness 0, the cheap way where the machine allows.
+
+Ray starts worker processes at nice 15 so that its own daemons win any
+contention. The engine's actors are the latency path: at 15 a rank's OpenMP
+thread loses its core to the engine loop or raylet mid-forward
+(docs/BENCHMARKS_HISTORY.md, worker niceness).
+
+Ray's own way to start a worker at 0 is a runtime environment
+(`RAY_worker_niceness=0`), and a worker with any runtime environment starts
+through Ray's setup process, which imports Ray once more before the worker
+itself does: every actor of an engine start or restart pays that import
+(docs/BENCHMARKS.md, engine start). Where a process may lower its niceness
+(root with CAP_SYS_NICE, or an RLIMIT_NICE that allows 0), the actor lowers
+its own threads to 0 as it starts instead, and needs no runtime environment.
+Niceness is per thread on Linux: every thread there is lowered, and the
+threads it starts later (torch's) inherit 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+HOT_PATH_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
+
+
+@functools.cache
+def may_lower_niceness() -> bool:
+    """Whether this process may lower a thread's niceness: a throwaway
+    thread raises its own by one and lowers it back."""
+    allowed: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        high = max(os.getpriority(os.PRIO_PROCESS, tid), 1)  # 20 is no niceness: lower from 19 to 18
+        os.setpriority(os.PRIO_PROCESS, tid, high)
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, high - 1)
+            allowed.append(True)
+        except PermissionError:
+            allowed.append(False)
+
+    thread = threading.Thread(target=probe, name="niceness-probe")
+    thread.start()
+    thread.join()
+    return allowed == [True]
+
+
+def rank_runtime_env() -> dict[str, Any]:
+    """The runtime environment of an engine actor made from this process:
+    none where the actor can lower its own niceness (`lower_to_zero`),
+    since the actors of one engine run as one user on like nodes; else
+    Ray's niceness setting."""
+    return {} if may_lower_niceness() else HOT_PATH_RUNTIME_ENV
+
+
+def lower_to_zero() -> None:
+    """Every thread of this process at niceness 0 (an engine actor's first
+    act); where the process may not, it stays where Ray put it, logged."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) > 0:
+                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except PermissionError:
+            logger.warning("this engine actor may not lower its niceness; it runs at %d",
+                           os.getpriority(os.PRIO_PROCESS, 0))
+            return
