@@ -37,7 +37,7 @@ def may_lower_niceness() -> bool:
 
     def probe() -> None:
         tid = threading.get_native_id()
-        high = max(os.getpriority(os.PRIO_PROCESS, tid), 1)  # 20 is no niceness: lower from 19 to 18
+        high = max(os.getpriority(os.PRIO_PROCESS, tid), 1)  # so that one lower is still 0 or more
         os.setpriority(os.PRIO_PROCESS, tid, high)
         try:
             os.setpriority(os.PRIO_PROCESS, tid, high - 1)

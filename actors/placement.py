@@ -256,7 +256,6 @@ def scheduler_actor_options(
     return {"scheduling_strategy": strategy, "runtime_env": rank_runtime_env()}, None
 
 
-
 def rank_actor_options(
     parallel_config: ParallelConfig, device: str, pg: PlacementGroup, placement: RankPlacement
 ) -> dict[str, Any]:
