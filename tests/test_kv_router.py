@@ -425,16 +425,13 @@ def _streams_cut_by_a_kill(readers: list[Reader]) -> tuple[int, list[list[Any]]]
 LONG = {"prompt": "Once upon a time in a land far away", "max_tokens": 1000, "ignore_eos": True}
 
 
-def test_a_stream_whose_server_dies_moves_to_another_unbroken_or_ends_with_an_error_event(
+def test_a_stream_whose_server_dies_moves_to_another_unbroken(
     two_replicas: tuple[serve.handle.DeploymentHandle, str],
 ) -> None:
     """A greedy and a seeded HTTP stream and a greedy handle stream on one
     server, killed (SIGKILL) mid-way: each moves to the other server and its
     client reads one unbroken stream, one id, its text, tokens and usage
-    equal to an undisturbed run's. A stream of two choices on the same
-    server (which another server could not rebuild mid-way) gets the
-    in-band error event a failing engine sends, then [DONE], not a cut
-    connection."""
+    equal to an undisturbed run's."""
     handle, url = two_replicas
     bodies = [{**LONG, "temperature": 0}, {**LONG, "temperature": 0.9, "seed": 5}]
     params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
@@ -454,11 +451,8 @@ def test_a_stream_whose_server_dies_moves_to_another_unbroken_or_ends_with_an_er
         return outs
 
     streamed = [{**b, "stream": True, "stream_options": {"include_usage": True}} for b in bodies]
-    two_choices = _http_reader(url, {**LONG, "n": 2, "temperature": 0, "stream": True})
-    running, reads = _streams_cut_by_a_kill([*(_http_reader(url, b) for b in streamed), read_handle, two_choices])
-    # Every stream has its first part: the three and one of the two choices
-    # run (max_num_seqs=4), the other choice waits.
-    assert running == 4
+    running, reads = _streams_cut_by_a_kill([*(_http_reader(url, b) for b in streamed), read_handle])
+    assert running == 3
     for events, undisturbed in zip(reads, expected):
         assert events[-1] == b"data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
@@ -469,11 +463,20 @@ def test_a_stream_whose_server_dies_moves_to_another_unbroken_or_ends_with_an_er
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
             undisturbed["usage"]["prompt_tokens"], undisturbed["usage"]["completion_tokens"]
         )
-    outs = reads[2]
+    outs = reads[-1]
     assert [t for o in outs for t in o.outputs[0].token_ids] == whole.outputs[0].token_ids
     assert "".join(o.outputs[0].text for o in outs) == whole.outputs[0].text
     assert outs[-1].finished
-    events = reads[3]
+
+
+def test_a_stream_that_cannot_move_ends_with_an_error_event(
+    two_replicas: tuple[serve.handle.DeploymentHandle, str],
+) -> None:
+    """Two choices (which another server could not rebuild mid-way): the
+    server killed under it, the client gets the in-band error event a
+    failing engine sends, then [DONE], not a cut connection."""
+    _, url = two_replicas
+    _, (events,) = _streams_cut_by_a_kill([_http_reader(url, {**LONG, "n": 2, "temperature": 0, "stream": True})])
     assert json.loads(events[0][6:])["choices"]
     assert events[-1] == b"data: [DONE]"
     last = json.loads(events[-2][6:])
