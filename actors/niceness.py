@@ -24,6 +24,8 @@ import os
 import threading
 from typing import Any
 
+import ray
+
 logger = logging.getLogger(__name__)
 
 HOT_PATH_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
@@ -61,7 +63,8 @@ def rank_runtime_env() -> dict[str, Any]:
 
 def lower_to_zero() -> None:
     """Every thread of this process at niceness 0 (an engine actor's first
-    act); where the process may not, it stays where Ray put it, logged."""
+    act, and Serve's proxy's at a replica's request: `lower_serve_proxies`);
+    where the process may not, it stays where Ray put it, logged."""
     for tid in os.listdir("/proc/self/task"):
         try:
             if os.getpriority(os.PRIO_PROCESS, int(tid)) > 0:
@@ -69,6 +72,47 @@ def lower_to_zero() -> None:
         except ProcessLookupError:
             continue  # a thread that ended meanwhile
         except PermissionError:
-            logger.warning("this engine actor may not lower its niceness; it runs at %d",
+            logger.warning("this process may not lower its niceness; it runs at %d",
                            os.getpriority(os.PRIO_PROCESS, 0))
             return
+
+
+def _lower_this_proxy(_proxy: object) -> bool:
+    """Run in a Serve proxy (its `__ray_call__`): its threads at 0 where allowed."""
+    if not may_lower_niceness():
+        return False
+    lower_to_zero()
+    return True
+
+
+def lower_serve_proxies(timeout_s: float = 30.0) -> list[str]:
+    """Serve's HTTP proxies (every one running now) at niceness 0, each
+    lowering its own threads where its process may; the names of those at 0.
+
+    Behind the proxy (no direct ingress) every request and every streamed
+    chunk crosses it, and Ray starts it at 15 like any worker: on a node
+    whose cores the forward keeps busy it then waits behind every process at
+    0 (the replica, the engine, Ray's daemons) for a core
+    (docs/BENCHMARKS.md, the proxy path). A replica behind the proxy calls
+    this as it starts; a proxy that Serve starts or restarts later stays at 15."""
+    # Here, not at the top: the engine's actors import this module and never Serve.
+    from ray.serve._private.constants import SERVE_NAMESPACE, SERVE_PROXY_NAME
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(SERVE_PROXY_NAME)]
+    calls = {}
+    for name in names:
+        try:
+            calls[name] = ray.get_actor(name, namespace=SERVE_NAMESPACE).__ray_call__.remote(_lower_this_proxy)
+        except ValueError:
+            continue  # gone since it was listed
+    lowered = []
+    for name, ref in calls.items():
+        try:
+            if ray.get(ref, timeout=timeout_s):
+                lowered.append(name)
+            else:
+                logger.warning("Serve's proxy %s may not lower its niceness; it stays at Ray's", name)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            logger.warning("Serve's proxy %s was not lowered to niceness 0: %s", name, e)
+    return lowered

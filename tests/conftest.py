@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
     # imported, and conftest is imported before any test module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from serve_harness import SharedServe, app_name  # noqa: E402  (after TRITON_INTERPRET: it imports rayvllm)
+from serve_harness import ServeProcess, SharedServe, app_name  # noqa: E402  (after TRITON_INTERPRET: it imports rayvllm)
 from item_scopes import module_of, uses_shared  # noqa: E402
 
 if TYPE_CHECKING:
@@ -180,8 +180,8 @@ def serve_local(ray_local: None) -> str:
 
 
 @pytest.fixture(scope="module")
-def serve_apps(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The session's shared `serve run` is up: the shipped serve_config.yaml's
+def serve_apps(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    """The session's shared `serve run` (returned) is up: the shipped serve_config.yaml's
     apps, and one app per module of this session that uses this fixture and
     defines `serve_app_args(request)`: the app that describes, answering at
     `app_url(__file__)` (Serve's proxy, on a free port). The apps are independent engines;
@@ -191,6 +191,8 @@ def serve_apps(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         modules = request.config.stash[_SERVE_APPS]
         apps = {name: module.serve_app_args(request) for name, module in modules.items()}
         _SHARED_SERVE.start(apps, tmp_path_factory.mktemp("shared-serve"))
+    assert _SHARED_SERVE.proc is not None
+    return _SHARED_SERVE.proc
 
 
 @pytest.fixture(scope="session")

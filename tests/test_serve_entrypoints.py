@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from rayvllm.actors.niceness import may_lower_niceness
 from rayvllm.entrypoints.serve_builder import (
     DEMO_MODEL_NAME, SERVE_RUN_PORT_ENV, ServeRunCommand, join_with_direct_ingress, serve_run_command,
 )
@@ -142,8 +144,14 @@ def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
         proc.stop()
 
 
-def test_serve_run_config_file(serve_apps: None) -> None:
+def test_serve_run_config_file(serve_apps: ServeProcess) -> None:
+    """A Serve config file takes Serve's proxy: the replicas behind it
+    lowered the proxy's threads to niceness 0 (from Ray's 15) where the
+    machine lets a process lower its niceness, and left it where it may not."""
     _check_demo(shipped_app_url())
+    (proxy,) = serve_apps.descendant_pids("ray::ProxyActor")
+    levels = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{proxy}/task")}
+    assert (levels == {0}) == may_lower_niceness(), levels
 
 
 @pytest.mark.skipif(not HAS_CLI, reason="console script not installed")

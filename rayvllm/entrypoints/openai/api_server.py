@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve._private.constants import RAY_SERVE_ENABLE_DIRECT_INGRESS
 
 from rayvllm.actors.factory import async_llm_from_engine_args
+from rayvllm.actors.niceness import lower_serve_proxies
 from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
@@ -113,11 +114,14 @@ class LLMServerImpl:
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
             args.distributed_executor_backend = "ray"
-        if args.cpu_reserved_cores is None and not RAY_SERVE_ENABLE_DIRECT_INGRESS:
+        if not RAY_SERVE_ENABLE_DIRECT_INGRESS:
             # Every token then crosses Serve's proxy as well as this replica:
-            # with every core computing, those hops wait for a core each
+            # with every core computing, those hops wait for a core each, and
+            # the proxy at Ray's niceness (15) waits behind every process at 0
             # (docs/BENCHMARKS.md, the proxy path).
-            args.cpu_reserved_cores = 1
+            if args.cpu_reserved_cores is None:
+                args.cpu_reserved_cores = 1
+            lower_serve_proxies()
         config = args.create_engine_config()
         if max_pending_requests is None:
             max_pending_requests = PENDING_PER_SEQ * config.scheduler_config.max_num_seqs
