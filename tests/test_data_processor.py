@@ -29,6 +29,7 @@ import requests
 from ray.data import DataContext
 
 from rayvllm import LLM, PoolingParams, SamplingParams
+from rayvllm.actors.niceness import may_lower_niceness
 from rayvllm.data import ERROR_COLUMN, EngineProcessorConfig, build_processor
 from rayvllm.data.replica import REPLICA_NAME_PREFIX, ReplicaPlacement, start_replica
 from rayvllm.data.rows import request_fields
@@ -225,7 +226,12 @@ def test_a_killed_replica_loses_no_row(
     named = set(ray.util.list_named_actors())
     ray.kill(replica, no_restart=True)
     successor = _the_replica(job, named)
-    os.kill(ray.get(successor.wait_started.remote(2), timeout=120), signal.SIGKILL)
+    pid = ray.get(successor.wait_started.remote(2), timeout=120)
+    # A replica runs its engine at niceness 0, every thread (torch's too),
+    # where the machine lets it lower its own (actors/niceness.py).
+    levels = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    assert (levels == {0}) == may_lower_niceness(), levels
+    os.kill(pid, signal.SIGKILL)
     job.join(timeout=300)
     assert not job.is_alive() and not failure, failure
     assert [r["id"] for r in result] == [r["id"] for r in rows]

@@ -26,7 +26,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayvllm.actors.niceness import HOT_PATH_RUNTIME_ENV
+from rayvllm.actors.niceness import HOT_PATH_RUNTIME_ENV, lower_to_zero, may_lower_niceness
 from rayvllm.actors.placement import deployment_bundles, worker_bundles
 from rayvllm.data.config import EngineProcessorConfig
 from rayvllm.data.rows import RowStages
@@ -61,7 +61,11 @@ class ReplicaPlacement:
         parallel = args.create_parallel_config()
         device = _placement_device(args.device)
         env = dict(config.runtime_env or {})
-        env["env_vars"] = {**HOT_PATH_RUNTIME_ENV["env_vars"], **env.get("env_vars", {})}
+        if not may_lower_niceness():
+            # Else the replica lowers itself (actors/niceness.py): a runtime
+            # environment of its own only for that would start it through
+            # Ray's setup process, which imports Ray once more.
+            env["env_vars"] = {**HOT_PATH_RUNTIME_ENV["env_vars"], **env.get("env_vars", {})}
         self.options: dict[str, Any] = {"runtime_env": env, "max_restarts": -1, "max_task_retries": 0}
         self.pg: PlacementGroup | None = None
         if not parallel.use_ray:
@@ -105,6 +109,7 @@ def start_replica(config: EngineProcessorConfig, placement: ReplicaPlacement) ->
 @ray.remote
 class EngineReplica:
     def __init__(self, config: EngineProcessorConfig, reserved_pg: PlacementGroup | None) -> None:
+        lower_to_zero()
         # The engine's modules (torch among them) are imported here, in the
         # replica's process: the feeders import this module to start
         # replicas, and they run no model.
