@@ -8,12 +8,21 @@ build into pytest's tmp dirs, never into the repository.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+# A Python told not to cache bytecode (PYTHONDONTWRITEBYTECODE, as some
+# sandboxes and CI machines are) compiles the package's modules again in
+# every process the suite starts: each Ray worker, replica and server, a few
+# hundred in a run. Python's default caches them (in the checkout's ignored
+# __pycache__ folders), as a user's install does; pytest's assertion
+# rewriting caches the test modules the same way.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # Two xdist workers share the cores (pyproject.toml's addopts): an OpenMP
 # thread that spins for work when idle takes its core from the other
 # worker's processes. libgomp reads this as torch loads it; Ray's
