@@ -85,7 +85,7 @@ def _lower_this_proxy(_proxy: object) -> bool:
     return True
 
 
-def lower_serve_proxies(timeout_s: float = 30.0) -> list[str]:
+def lower_serve_proxies(timeout_s: float = 10.0) -> list[str]:
     """Serve's HTTP proxies (every one running now) at niceness 0, each
     lowering its own threads where its process may; the names of those at 0.
 
@@ -100,13 +100,13 @@ def lower_serve_proxies(timeout_s: float = 30.0) -> list[str]:
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(SERVE_PROXY_NAME)]
-    calls = {}
+    calls: dict[str, ray.ObjectRef] = {}
     for name in names:
         try:
             calls[name] = ray.get_actor(name, namespace=SERVE_NAMESPACE).__ray_call__.remote(_lower_this_proxy)
         except ValueError:
             continue  # gone since it was listed
-    lowered = []
+    lowered: list[str] = []
     for name, ref in calls.items():
         try:
             if ray.get(ref, timeout=timeout_s):
