@@ -53,12 +53,16 @@ def may_lower_niceness() -> bool:
     return allowed == [True]
 
 
-def rank_runtime_env() -> dict[str, Any]:
-    """The runtime environment of an engine actor made from this process:
-    none where the actor can lower its own niceness (`lower_to_zero`),
-    since the actors of one engine run as one user on like nodes; else
-    Ray's niceness setting."""
-    return {} if may_lower_niceness() else HOT_PATH_RUNTIME_ENV
+def rank_runtime_env(user_env: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The runtime environment of an engine actor (or a batch job's engine
+    replica) made from this process: `user_env` as given where the actor can
+    lower its own niceness (`lower_to_zero`), since the actors of one engine
+    run as one user on like nodes; else with Ray's niceness setting added
+    (the user's own variables win)."""
+    env = dict(user_env or {})
+    if not may_lower_niceness():
+        env["env_vars"] = {**HOT_PATH_RUNTIME_ENV["env_vars"], **env.get("env_vars", {})}
+    return env
 
 
 def lower_to_zero() -> None:

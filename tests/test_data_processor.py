@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import ray
 import ray_state
+from process_state import thread_niceness
 import requests
 from ray.data import DataContext
 
@@ -229,7 +230,7 @@ def test_a_killed_replica_loses_no_row(
     pid = ray.get(successor.wait_started.remote(2), timeout=120)
     # A replica runs its engine at niceness 0, every thread (torch's too),
     # where the machine lets it lower its own (actors/niceness.py).
-    levels = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    levels = thread_niceness(pid)
     assert (levels == {0}) == may_lower_niceness(), levels
     os.kill(pid, signal.SIGKILL)
     job.join(timeout=300)

@@ -13,6 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_state  # noqa: E402
+from process_state import thread_niceness  # noqa: E402
 
 from rayvllm import LLM, SamplingParams  # noqa: E402
 from rayvllm.messages.outputs import RequestOutputKind  # noqa: E402
@@ -193,8 +194,7 @@ def _assert_every_thread_at_niceness_0(ours: dict[str, str]) -> None:
     the actor lowers itself (actors/niceness.py), torch's threads included."""
     pids = {a.actor_id: a.pid for a in ray_state.actors() if a.actor_id in ours}
     for actor_id, name in ours.items():
-        tasks = Path(f"/proc/{pids[actor_id]}/task")
-        nice = {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
+        nice = thread_niceness(pids[actor_id])
         assert nice == {0}, (name, nice)
 
 

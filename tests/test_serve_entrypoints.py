@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from rayvllm.entrypoints.serve_builder import (
     DEMO_MODEL_NAME, SERVE_RUN_PORT_ENV, ServeRunCommand, join_with_direct_ingress, serve_run_command,
 )
 
+from process_state import thread_niceness
 from serve_harness import ServeProcess, free_port, held_port, serve_run, shipped_app_url
 
 
@@ -150,7 +150,7 @@ def test_serve_run_config_file(serve_apps: ServeProcess) -> None:
     machine lets a process lower its niceness, and left it where it may not."""
     _check_demo(shipped_app_url())
     (proxy,) = serve_apps.descendant_pids("ray::ProxyActor")
-    levels = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{proxy}/task")}
+    levels = thread_niceness(proxy)
     assert (levels == {0}) == may_lower_niceness(), levels
 
 

@@ -26,7 +26,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayvllm.actors.niceness import HOT_PATH_RUNTIME_ENV, lower_to_zero, may_lower_niceness
+from rayvllm.actors.niceness import lower_to_zero, rank_runtime_env
 from rayvllm.actors.placement import deployment_bundles, worker_bundles
 from rayvllm.data.config import EngineProcessorConfig
 from rayvllm.data.rows import RowStages
@@ -60,13 +60,9 @@ class ReplicaPlacement:
         args = config.engine_args()
         parallel = args.create_parallel_config()
         device = _placement_device(args.device)
-        env = dict(config.runtime_env or {})
-        if not may_lower_niceness():
-            # Else the replica lowers itself (actors/niceness.py): a runtime
-            # environment of its own only for that would start it through
-            # Ray's setup process, which imports Ray once more.
-            env["env_vars"] = {**HOT_PATH_RUNTIME_ENV["env_vars"], **env.get("env_vars", {})}
-        self.options: dict[str, Any] = {"runtime_env": env, "max_restarts": -1, "max_task_retries": 0}
+        self.options: dict[str, Any] = {
+            "runtime_env": rank_runtime_env(config.runtime_env), "max_restarts": -1, "max_task_retries": 0,
+        }
         self.pg: PlacementGroup | None = None
         if not parallel.use_ray:
             bundle = worker_bundles(parallel, device)[0]
