@@ -22,6 +22,8 @@ import yaml
 
 from rayvllm.utils.network import free_port
 
+from process_state import descendants_running
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -124,26 +126,7 @@ class ServeProcess:
         """Processes this server started (its Ray cluster's included, at any
         depth) whose command line contains `cmdline_part`: what a fault test
         may kill, by pid, without touching anything else on the machine."""
-        children: dict[int, list[int]] = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                # The command name in parentheses may hold spaces: split after it.
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # the process ended while we looked
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        found, todo = [], list(children.get(self.proc.pid, []))
-        while todo:
-            pid = todo.pop()
-            todo += children.get(pid, [])
-            try:
-                raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
-            except OSError:
-                continue
-            cmdline = raw.replace(b"\0", b" ").decode(errors="replace")
-            if cmdline_part in cmdline:
-                found.append(pid)
-        return found
+        return descendants_running(self.proc.pid, cmdline_part)
 
     def join_env(self) -> dict[str, str]:
         """What a script needs in its environment to join the Ray cluster this

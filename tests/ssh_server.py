@@ -23,6 +23,8 @@ from pathlib import Path
 from rayvllm.entrypoints.serve_builder import port_listening
 from rayvllm.utils.network import free_port
 
+from process_state import descendant_pids
+
 APT_TIMEOUT_S = 600
 SSHD = "/usr/sbin/sshd"
 
@@ -50,24 +52,6 @@ def pids_of_uid(uid: int) -> list[int]:
             continue  # it ended while we looked
         if int(fields["Uid"].split()[0]) == uid and fields.get("State", "").split()[:1] != ["Z"]:
             found.append(int(status.parent.name))
-    return found
-
-
-def descendant_pids(root: int) -> list[int]:
-    """Processes below `root` in the process tree, at any depth."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # The command name in parentheses may hold spaces: split after it.
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
     return found
 
 

@@ -19,10 +19,11 @@ import requests
 
 from rayvllm.actors.niceness import may_lower_niceness
 from rayvllm.entrypoints.serve_builder import (
-    DEMO_MODEL_NAME, SERVE_RUN_PORT_ENV, ServeRunCommand, join_with_direct_ingress, serve_run_command,
+    DEMO_MODEL_NAME, PROXY_USE_GRPC_ENV, SERVE_RUN_PORT_ENV, ServeRunCommand, join_with_direct_ingress,
+    serve_run_command,
 )
 
-from process_state import thread_niceness
+from process_state import descendants_running, start_environment, thread_niceness
 from serve_harness import ServeProcess, free_port, held_port, serve_run, shipped_app_url
 
 
@@ -132,6 +133,11 @@ def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
         assert len(replicas) == 1 and proc.listener_pids(port) == replicas, proc.log_tail()
         proxied = requests.get(f"http://127.0.0.1:{proxy_port}/v1/models", timeout=60)
         assert proxied.status_code == 200 and proxied.json()["data"][0]["id"] == DEMO_MODEL_NAME
+        # What still comes through the proxy reaches the replica over gRPC
+        # (the proxy reads the setting from its environment at start).
+        (proxy,) = proc.descendant_pids("ray::ProxyActor")
+        assert start_environment(proxy).get(PROXY_USE_GRPC_ENV) == "1"
+        _check_demo(f"http://127.0.0.1:{proxy_port}")
         body = _curl_completion(proc.base_url)
         assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
         # The replica runs no model, so it never loads torch (whose import
@@ -275,6 +281,10 @@ def test_serve_run_joins_a_running_cluster_on_the_fast_path(
             proc.wait_ready()
             proxied = requests.get(f"http://127.0.0.1:{port + 1}/v1/models", timeout=60)
             assert proxied.status_code == 200 and proxied.json()["data"][0]["id"] == "joined"
+            # The settings reached the proxy through the job's runtime environment.
+            (raylet,) = cluster.head_node.all_processes["raylet"]
+            (proxy,) = descendants_running(raylet.process.pid, "ray::ProxyActor")
+            assert start_environment(proxy).get(PROXY_USE_GRPC_ENV) == "1"
             r = requests.post(f"{proc.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             assert not join_with_direct_ingress(cluster.address, free_port())

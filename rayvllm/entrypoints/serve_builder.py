@@ -39,6 +39,10 @@ DEMO_MODEL_NAME = "rayvllm-demo"
 # proxy one above), for a machine where 8000 is taken.
 SERVE_RUN_PORT = 8000
 SERVE_RUN_PORT_ENV = "RAYVLLM_SERVE_RUN_PORT"
+# How Serve's proxy sends requests to replicas and takes their answers back:
+# "1" over Serve's inter-deployment gRPC (every replica serves it), "0" as Ray
+# actor calls whose answers are objects. Read by the proxy at its start.
+PROXY_USE_GRPC_ENV = "RAY_SERVE_PROXY_USE_GRPC"
 
 
 def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
@@ -51,7 +55,10 @@ def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
     them at start. Serve's proxy keeps running on its own port. One port
     means one ingress replica per node, which is this app's shape: the
     LLMServer itself, or with several servers the one router ingress in
-    front of them (data parallelism lives inside the engine)."""
+    front of them (data parallelism lives inside the engine). Requests that
+    still come through the proxy (the port cluster.yaml and the KubeRay
+    manifest document) reach the replica over gRPC: each hop's message
+    took less than as a Ray object (docs/BENCHMARKS.md, the proxy path)."""
     return {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
@@ -67,6 +74,7 @@ def direct_ingress_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
         # default, for an HAProxy in front to let go of it); with one port
         # and no HAProxy that would keep a replaced replica off the air.
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        PROXY_USE_GRPC_ENV: "1",
     }
 
 
@@ -161,7 +169,7 @@ def start_with_direct_ingress(
     `port + 1`): the settings go in this process's environment, which the
     cluster's processes inherit. This process owns the cluster, so SIGTERM
     then stops it as Ctrl-C does (`drain_on_sigterm`)."""
-    os.environ.update(direct_ingress_env(port, host))
+    os.environ.update(_cluster_env(port, host))
     ray.init(address=address, namespace=SERVE_NAMESPACE, runtime_env=runtime_env or None)
     drain_on_sigterm()
     _start_serve(port, host, proxy_port)
@@ -184,7 +192,7 @@ def join_with_direct_ingress(
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME
 
     runtime_env = dict(runtime_env or {})
-    runtime_env["env_vars"] = {**direct_ingress_env(port, host), **runtime_env.get("env_vars", {})}
+    runtime_env["env_vars"] = {**_cluster_env(port, host), **runtime_env.get("env_vars", {})}
     ray.init(address=address, namespace=SERVE_NAMESPACE, runtime_env=runtime_env)
     try:
         ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
@@ -193,6 +201,15 @@ def join_with_direct_ingress(
         return True
     ray.shutdown()
     return False
+
+
+def _cluster_env(port: int, host: str) -> dict[str, str]:
+    """`direct_ingress_env`, with a proxy transport that this process's
+    environment sets kept as set."""
+    env = direct_ingress_env(port, host)
+    if PROXY_USE_GRPC_ENV in os.environ:
+        env[PROXY_USE_GRPC_ENV] = os.environ[PROXY_USE_GRPC_ENV]
+    return env
 
 
 def _start_serve(port: int, host: str, proxy_port: int | None) -> None:
