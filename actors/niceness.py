@@ -93,12 +93,14 @@ def lower_serve_proxies(timeout_s: float = 10.0) -> list[str]:
     """Serve's HTTP proxies (every one running now) at niceness 0, each
     lowering its own threads where its process may; the names of those at 0.
 
-    Behind the proxy (no direct ingress) every request and every streamed
-    chunk crosses it, and Ray starts it at 15 like any worker: on a node
-    whose cores the forward keeps busy it then waits behind every process at
-    0 (the replica, the engine, Ray's daemons) for a core
-    (docs/BENCHMARKS.md, the proxy path). A replica behind the proxy calls
-    this as it starts; a proxy that Serve starts or restarts later stays at 15."""
+    Every request and streamed chunk that comes through a proxy crosses it
+    (all of them without direct ingress; with it, those sent to the proxy's
+    port, which the launcher configs document), and Ray starts it at 15 like
+    any worker: on a node whose cores the forward keeps busy it then waits
+    behind every process at 0 (the replica, the engine, Ray's daemons) for a
+    core (docs/BENCHMARKS.md, the proxy path). Every replica calls this as it
+    starts; a proxy that Serve starts or restarts later stays at 15 (an idle
+    proxy wakes as often at either niceness)."""
     # Here, not at the top: the engine's actors import this module and never Serve.
     from ray.serve._private.constants import SERVE_NAMESPACE, SERVE_PROXY_NAME
 

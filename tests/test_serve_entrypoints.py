@@ -124,7 +124,7 @@ def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
     """The README's command takes the fast path: the LLMServer replica
     itself listens on the port (:8000 unless RAYVLLM_SERVE_RUN_PORT says
     otherwise; Serve's direct ingress) and the proxy, one port above,
-    serves the same app. SIGTERM drains it."""
+    serves the same app, fast too. SIGTERM drains it."""
     proc = servers["test_serve_run_demo_app"]
     port, proxy_port = proc.ports
     try:
@@ -134,9 +134,13 @@ def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
         proxied = requests.get(f"http://127.0.0.1:{proxy_port}/v1/models", timeout=60)
         assert proxied.status_code == 200 and proxied.json()["data"][0]["id"] == DEMO_MODEL_NAME
         # What still comes through the proxy reaches the replica over gRPC
-        # (the proxy reads the setting from its environment at start).
+        # (the proxy reads the setting from its environment at start), and
+        # the replica lowered the proxy from Ray's niceness 15 where the
+        # machine lets a process lower its own.
         (proxy,) = proc.descendant_pids("ray::ProxyActor")
         assert start_environment(proxy).get(PROXY_USE_GRPC_ENV) == "1"
+        levels = thread_niceness(proxy)
+        assert (levels == {0}) == may_lower_niceness(), levels
         _check_demo(f"http://127.0.0.1:{proxy_port}")
         body = _curl_completion(proc.base_url)
         assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body

@@ -114,14 +114,15 @@ class LLMServerImpl:
         if args.distributed_executor_backend is None:
             # The replica keeps the loop; the core lives in the SchedulerActor.
             args.distributed_executor_backend = "ray"
-        if not RAY_SERVE_ENABLE_DIRECT_INGRESS:
+        if not RAY_SERVE_ENABLE_DIRECT_INGRESS and args.cpu_reserved_cores is None:
             # Every token then crosses Serve's proxy as well as this replica:
-            # with every core computing, those hops wait for a core each, and
-            # the proxy at Ray's niceness (15) waits behind every process at 0
+            # with every core computing, those hops wait for a core each
             # (docs/BENCHMARKS.md, the proxy path).
-            if args.cpu_reserved_cores is None:
-                args.cpu_reserved_cores = 1
-            lower_serve_proxies()
+            args.cpu_reserved_cores = 1
+        # At Ray's niceness (15) the proxy waits behind every process at 0,
+        # with or without direct ingress (whose clusters still document the
+        # proxy's port).
+        lower_serve_proxies()
         config = args.create_engine_config()
         if max_pending_requests is None:
             max_pending_requests = PENDING_PER_SEQ * config.scheduler_config.max_num_seqs
