@@ -51,6 +51,6 @@ def thread_niceness(pid: int) -> set[int]:
 
 def start_environment(pid: int) -> dict[str, str]:
     """The environment process `pid` started with (what it read its settings from)."""
-    raw = open(f"/proc/{pid}/environ", "rb").read()
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
     pairs = (entry.decode(errors="replace").partition("=") for entry in raw.split(b"\0") if entry)
     return {name: value for name, _, value in pairs}
