@@ -29,6 +29,8 @@ import ray
 logger = logging.getLogger(__name__)
 
 HOT_PATH_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
+# How long a replica's start waits for each Serve proxy to lower itself.
+PROXY_CALL_TIMEOUT_S = 10.0
 
 
 @functools.cache
@@ -89,9 +91,10 @@ def _lower_this_proxy(_proxy: object) -> bool:
     return True
 
 
-def lower_serve_proxies(timeout_s: float = 10.0) -> list[str]:
+def lower_serve_proxies() -> None:
     """Serve's HTTP proxies (every one running now) at niceness 0, each
-    lowering its own threads where its process may; the names of those at 0.
+    lowering its own threads where its process may (a warning names each
+    that does not).
 
     Every request and streamed chunk that comes through a proxy crosses it
     (all of them without direct ingress; with it, those sent to the proxy's
@@ -112,13 +115,9 @@ def lower_serve_proxies(timeout_s: float = 10.0) -> list[str]:
             calls[name] = ray.get_actor(name, namespace=SERVE_NAMESPACE).__ray_call__.remote(_lower_this_proxy)
         except ValueError:
             continue  # gone since it was listed
-    lowered: list[str] = []
     for name, ref in calls.items():
         try:
-            if ray.get(ref, timeout=timeout_s):
-                lowered.append(name)
-            else:
+            if not ray.get(ref, timeout=PROXY_CALL_TIMEOUT_S):
                 logger.warning("Serve's proxy %s may not lower its niceness; it stays at Ray's", name)
         except (ray.exceptions.RayError, TimeoutError) as e:
             logger.warning("Serve's proxy %s was not lowered to niceness 0: %s", name, e)
-    return lowered
