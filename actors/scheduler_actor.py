@@ -43,9 +43,11 @@ def _set_threads(config: EngineConfig) -> None:
     torch.set_num_threads(node_cores() if config.device == "cpu" else 1)
 
 
-# Utility calls wait for the loop (a weight update may take long) on a
-# thread of their own, so health checks and shutdown still answer meanwhile.
-@ray.remote(num_cpus=0, concurrency_groups={"utility": 1})
+# Utility calls wait for the loop (a weight update may take long) on
+# threads of their own, so health checks and shutdown still answer
+# meanwhile; more than one, so that a call the loop runs beside its steps
+# (a weight-transfer group forming) holds none of the others back.
+@ray.remote(num_cpus=0, concurrency_groups={"utility": 4})
 class SchedulerActor:
     """Construction is cheap; `start` builds the core so its errors
     (placement, preflight, sizing) reach the caller with their own types.

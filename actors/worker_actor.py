@@ -14,10 +14,14 @@ from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.utils.network import free_port
 
 
-@ray.remote
+# `node` answers health checks on a thread of its own: a `call` may hold
+# the actor's thread for long (a weight-transfer group forming, up to its
+# timeout), and a rank that is only waiting is not dead.
+@ray.remote(concurrency_groups={"health": 1})
 class WorkerActor:
     """Methods run one at a time, in the order the executor called them
-    (the default actor concurrency of 1): every rank sees steps in order."""
+    (the default actor concurrency of 1), `node` aside (its own group):
+    every rank sees steps in order."""
 
     def __init__(self, config: EngineConfig, rank: int, dp_rank: int = 0) -> None:
         lower_to_zero()
@@ -38,6 +42,7 @@ class WorkerActor:
         dp = "" if self.dp_rank is None else f", dp_rank={self.dp_rank}"
         return f"WorkerActor(rank={self.rank}{dp})"
 
+    @ray.method(concurrency_group="health")
     def node(self) -> tuple[str, str]:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address()

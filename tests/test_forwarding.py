@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import pytest
 
@@ -120,22 +121,46 @@ def test_closing_ends_the_streams_requests(parts_read: int) -> None:
     assert closed == [True] and not tasks_left
 
 
-def test_the_server_forwards_every_route_it_serves() -> None:
-    from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES
+API_ROUTES = [
+    ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/detokenize"), ("POST", "/tokenize"),
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/embeddings"),
+    ("POST", "/v1/responses"),
+]
+CONTROL_ROUTES = [
+    ("GET", "/is_paused"), ("GET", "/is_sleeping"), ("POST", "/finish_weight_update"),
+    ("POST", "/init_weight_transfer_engine"), ("POST", "/pause"), ("POST", "/reset_prefix_cache"), ("POST", "/resume"),
+    ("POST", "/sleep"), ("POST", "/start_weight_update"), ("POST", "/update_weights"), ("POST", "/wake_up"),
+]
+ADAPTER_ROUTES = [("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")]
 
-    assert sorted(FORWARDED_ROUTES) == [
-        ("GET", "/health"), ("GET", "/is_paused"), ("GET", "/metrics"), ("GET", "/v1/models"),
-        ("POST", "/detokenize"), ("POST", "/finish_weight_update"), ("POST", "/init_weight_transfer_engine"),
-        ("POST", "/pause"), ("POST", "/reset_prefix_cache"), ("POST", "/resume"), ("POST", "/start_weight_update"),
-        ("POST", "/tokenize"), ("POST", "/update_weights"), ("POST", "/v1/chat/completions"),
-        ("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/load_lora_adapter"),
-        ("POST", "/v1/responses"), ("POST", "/v1/unload_lora_adapter"),
-    ]
-    wide = sorted(path for (_, path), spec in FORWARDED_ROUTES.items() if spec.replica_wide)
-    assert wide == [
-        "/finish_weight_update", "/init_weight_transfer_engine", "/pause", "/reset_prefix_cache", "/resume",
-        "/start_weight_update", "/update_weights",
-    ]
-    public = {key for key, spec in FORWARDED_ROUTES.items() if spec.public}
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({}, API_ROUTES),
+    ({"enable_control_plane": True, "api_key": "k"}, API_ROUTES + CONTROL_ROUTES),
+    ({"allow_runtime_lora_updating": True, "admin_api_key": "a"}, API_ROUTES + ADAPTER_ROUTES),
+    ({"enable_control_plane": True, "allow_runtime_lora_updating": True, "port_is_private": True},
+     API_ROUTES + CONTROL_ROUTES + ADAPTER_ROUTES),
+])
+def test_the_server_mounts_and_forwards_the_routes_its_options_turn_on(
+    options: dict[str, Any], expected: list[tuple[str, str]]
+) -> None:
+    """The server's FastAPI app (what `serve run` serves) and the table the
+    router ingress forwards by hold the same routes: the API's always, the
+    control plane's and runtime LoRA loading's only when their option is on."""
+    from fastapi.routing import APIRoute
+
+    from rayvllm.entrypoints.openai.api_server import server_app, server_routes
+    from rayvllm.entrypoints.openai.server_args import Plane, ServerArgs
+
+    planes = ServerArgs(**options).access().planes
+    routes = server_routes(planes)
+    assert sorted(routes) == sorted(expected)
+    mounted = sorted((m, r.path) for r in server_app(planes).routes if isinstance(r, APIRoute) for m in r.methods)
+    assert mounted == sorted(expected)
+    wide = sorted(path for (_, path), spec in routes.items() if spec.replica_wide)
+    assert wide == sorted(p for m, p in CONTROL_ROUTES if m == "POST" and (m, p) in expected)
+    public = {key for key, spec in routes.items() if spec.public}
     assert public == {("GET", "/health"), ("GET", "/metrics")}
-    assert not FORWARDED_ROUTES[("GET", "/v1/models")].reads_body
+    assert not routes[("GET", "/v1/models")].reads_body
+    assert {spec.plane for key, spec in routes.items() if key in CONTROL_ROUTES} <= {Plane.CONTROL}
+    assert {spec.plane for key, spec in routes.items() if key in ADAPTER_ROUTES} <= {Plane.ADAPTERS}

@@ -420,11 +420,13 @@ class _Route:
 
     def __init__(self, server: Server) -> None:
         from rayvllm.entrypoints.openai.api_server import LLMServer
+        from rayvllm.entrypoints.openai.server_args import ServerArgs
 
         self.server = server
         self.cls = LLMServer.func_or_class
         self.replica = object.__new__(self.cls)
-        self.replica.serving, self.replica.api_key, self.replica.max_request_bytes = server.serving, None, 1 << 20
+        self.replica.serving, self.replica.max_request_bytes = server.serving, 1 << 20
+        self.replica.access = ServerArgs().access()
 
     def call(self, route: str, body: bytes, chunk: int) -> tuple[int, bytes]:
         return self.server.loop.run_until_complete(self._call(route, body, chunk))

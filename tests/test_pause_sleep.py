@@ -235,3 +235,44 @@ def test_async_sleep_holds_requests_until_the_wake(tiny_model_dir: Path, undistu
         assert (await _rest(late, [])) == (undisturbed[-1], "length")
 
     _run(tiny_model_dir, body)
+
+
+def test_a_weight_transfer_group_that_does_not_form_holds_no_request(
+    tiny_model_dir: Path, undisturbed: list[list[int]]
+) -> None:
+    """A gloo init whose group lacks a member waits beside the steps: a
+    request runs to its end meanwhile, a call that needs the workers fails
+    at once naming the init, one that does not runs; the init returns once
+    the last member joins. A group whose host never answers is an error
+    naming `timeout_s` after a bounded wait, and the engine serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rayvllm.distributed.weight_transfer import TransferGroup
+    from rayvllm.utils.network import free_port
+
+    async def body(engine: AsyncLLM) -> None:
+        port = free_port()
+        with ThreadPoolExecutor(2) as pool:
+            # The trainer (rank 0) waits for ranks 1 (the engine) and 2 (nobody yet).
+            trainer = pool.submit(TransferGroup, "gloo", "127.0.0.1", port, 0, 3, 120.0)
+            init = asyncio.ensure_future(engine.init_weight_transfer_engine(
+                "gloo", master_address="127.0.0.1", master_port=port, world_size=3, timeout_s=120.0
+            ))
+            late, late_tokens = engine.add_request({"prompt_token_ids": LATE}, GREEDY, "during-init"), []
+            assert (await _rest(late, late_tokens)) == (undisturbed[-1], "length")
+            assert not init.done()  # rank 2 has not joined: the group cannot have formed
+            with pytest.raises(InvalidParameterError, match="init_weight_transfer_engine returns"):
+                await engine.collective_rpc("is_sleeping_probe")
+            assert await engine.reset_prefix_cache() is True
+            last = pool.submit(TransferGroup, "gloo", "127.0.0.1", port, 2, 3, 120.0)
+            await init
+            trainer.result().close()
+            last.result().close()
+        with pytest.raises(InvalidParameterError, match=r"init_info: the gloo group at 127\.0\.0\.1:1 .*timeout_s=1"):
+            await engine.init_weight_transfer_engine(
+                "gloo", master_address="127.0.0.1", master_port=1, world_size=2, timeout_s=1.0
+            )
+        again = engine.add_request({"prompt_token_ids": LATE}, GREEDY, "after-init")
+        assert (await _rest(again, [])) == (undisturbed[-1], "length")
+
+    _run(tiny_model_dir, body)

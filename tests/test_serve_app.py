@@ -33,6 +33,9 @@ from serve_harness import REPO, ServeProcess, held_port, serve_run  # noqa: E402
 
 KEY = "sk-rayvllm-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# The control plane is on here, behind a key of its own.
+ADMIN_KEY = "sk-rayvllm-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ENGINE = dict(max_num_seqs=8, max_model_len=2048, kv_cache_memory_bytes=32 << 20)
 MAX_PENDING = 6
 MAX_REQUEST_BYTES = 64 << 10
@@ -48,6 +51,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     # harness runs from there) keeps the fast path: BASE_URL is the replica's.
     proc = serve_run(
         ["--app-dir", ".", "serve_app:build_app", f"model={tiny_model_dir}", "served_model_name=tiny", f"api_key={KEY}",
+         "enable_control_plane=true", f"admin_api_key={ADMIN_KEY}",
          f"max_pending_requests={MAX_PENDING}", f"max_request_bytes={MAX_REQUEST_BYTES}",
          # A killed replica is found at the next health check: soon, here.
          "health_check_period_s=1", *args],
@@ -381,7 +385,7 @@ def test_concurrent_clients_all_match(client: "openai.OpenAI", offline: LLM) -> 
 
 
 RL_ROUTES = ["/reset_prefix_cache", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-             "/finish_weight_update", "/pause", "/resume"]
+             "/finish_weight_update", "/pause", "/resume", "/sleep", "/wake_up"]
 
 
 def _http_sync(weights: dict[str, Any]) -> None:
@@ -396,31 +400,40 @@ def _http_sync(weights: dict[str, Any]) -> None:
     info = WeightUpdateInfo.of(weights)
     update = {"update_info": {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes}}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(requests.post, f"{BASE_URL}/init_weight_transfer_engine", json=init, headers=AUTH, timeout=120)
+        joined = pool.submit(requests.post, f"{BASE_URL}/init_weight_transfer_engine", json=init, headers=ADMIN, timeout=120)
         group = TransferGroup("gloo", "127.0.0.1", port, 0, 2)
         assert joined.result().status_code == 200
-        assert requests.post(f"{BASE_URL}/start_weight_update", headers=AUTH, timeout=60).status_code == 200
-        received = pool.submit(requests.post, f"{BASE_URL}/update_weights", json=update, headers=AUTH, timeout=120)
+        assert requests.post(f"{BASE_URL}/start_weight_update", headers=ADMIN, timeout=60).status_code == 200
+        received = pool.submit(requests.post, f"{BASE_URL}/update_weights", json=update, headers=ADMIN, timeout=120)
         group.send(weights)
         assert received.result().status_code == 200
-    assert requests.post(f"{BASE_URL}/finish_weight_update", headers=AUTH, timeout=120).status_code == 200
+    assert requests.post(f"{BASE_URL}/finish_weight_update", headers=ADMIN, timeout=120).status_code == 200
 
 
-def test_rl_routes_need_the_key_pause_and_sync_weights_over_gloo(
+def test_control_plane_routes_need_the_admin_key_pause_and_sync_weights_over_gloo(
     server: ServeProcess, client: "openai.OpenAI", tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from rl_oracle import save_weights, trained_weights
 
     for route in RL_ROUTES:
         assert requests.post(f"{BASE_URL}{route}", json={}, timeout=30).status_code == 401
-    assert requests.get(f"{BASE_URL}/is_paused", timeout=30).status_code == 401
+        # The API key lets a client generate, not change the server.
+        assert requests.post(f"{BASE_URL}{route}", json={}, headers=AUTH, timeout=30).status_code == 401
+    for route in ("/is_paused", "/is_sleeping"):
+        assert requests.get(f"{BASE_URL}{route}", headers=AUTH, timeout=30).status_code == 401
+        assert requests.get(f"{BASE_URL}{route}", headers=ADMIN, timeout=30).json() == {route[1:]: False}
+    # The admin key is a client's key too.
+    assert requests.get(f"{BASE_URL}/v1/models", headers=ADMIN, timeout=30).status_code == 200
     for route, body, paused in (("/pause", {"mode": "keep"}, True), ("/resume", None, False)):
-        assert requests.post(f"{BASE_URL}{route}", json=body, headers=AUTH, timeout=30).status_code == 200
-        assert requests.get(f"{BASE_URL}/is_paused", headers=AUTH, timeout=30).json() == {"is_paused": paused}
-    r = requests.post(f"{BASE_URL}/reset_prefix_cache", headers=AUTH, timeout=30)
+        assert requests.post(f"{BASE_URL}{route}", json=body, headers=ADMIN, timeout=30).status_code == 200
+        assert requests.get(f"{BASE_URL}/is_paused", headers=ADMIN, timeout=30).json() == {"is_paused": paused}
+    r = requests.post(f"{BASE_URL}/reset_prefix_cache", headers=ADMIN, timeout=30)
     assert r.status_code == 200 and r.json() == {"reset": True}
+    for route, body, asleep in (("/sleep", {"level": 1}, True), ("/wake_up", {}, False)):
+        assert requests.post(f"{BASE_URL}{route}", json=body, headers=ADMIN, timeout=60).status_code == 200
+        assert requests.get(f"{BASE_URL}/is_sleeping", headers=ADMIN, timeout=30).json() == {"is_sleeping": asleep}
     bad = requests.post(f"{BASE_URL}/init_weight_transfer_engine", json={"init_info": {"backend": "ray"}},
-                        headers=AUTH, timeout=30)
+                        headers=ADMIN, timeout=30)
     assert bad.status_code == 400
     trained = trained_weights(tiny_model_dir, seed=3)
     fresh = LLM(model=str(save_weights(tiny_model_dir, trained, tmp_path / "trained")), **ENGINE)
@@ -442,6 +455,45 @@ def test_rl_routes_need_the_key_pause_and_sync_weights_over_gloo(
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert eval(out.stdout.strip().splitlines()[-1]) == (expected, before)  # noqa: S307
+
+
+def test_a_weight_transfer_group_that_never_forms_holds_no_request(server: ServeProcess, offline: LLM) -> None:
+    """The issue's one POST that took the server down: an init whose group
+    cannot form. A group missing a member waits while /v1 serves (and
+    Serve's health checks pass: the replica is the same afterwards), and
+    answers once the member joins; a group whose host never answers is a
+    400 naming the address and timeout_s after a bounded wait."""
+    from rayvllm.distributed.weight_transfer import TransferGroup
+    from rayvllm.utils.network import free_port
+
+    replicas = server.descendant_pids("ray::ServeReplica")
+    expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    port = free_port()
+    init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "world_size": 3, "timeout_s": 120}}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        # The trainer (rank 0) and the engine (rank 1) wait for rank 2.
+        trainer = pool.submit(TransferGroup, "gloo", "127.0.0.1", port, 0, 3, 120.0)
+        joined = pool.submit(requests.post, f"{BASE_URL}/init_weight_transfer_engine", json=init, headers=ADMIN,
+                             timeout=150)
+        for _ in range(3):
+            r = requests.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        assert not joined.done()  # rank 2 has not joined: the group cannot have formed
+        busy = requests.post(f"{BASE_URL}/start_weight_update", headers=ADMIN, timeout=60)
+        assert busy.status_code == 400 and "init_weight_transfer_engine" in busy.json()["error"]["message"]
+        last = pool.submit(TransferGroup, "gloo", "127.0.0.1", port, 2, 3, 120.0)
+        assert joined.result().status_code == 200
+        trainer.result().close()
+        last.result().close()
+    closed = {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "timeout_s": 2}}
+    r = requests.post(f"{BASE_URL}/init_weight_transfer_engine", json=closed, headers=ADMIN, timeout=120)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "127.0.0.1:1" in message and "timeout_s=2" in message and "master_port" in message
+    r = requests.post(f"{BASE_URL}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+    assert server.descendant_pids("ray::ServeReplica") == replicas
 
 
 SYNC_SCRIPT = """

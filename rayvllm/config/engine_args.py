@@ -310,6 +310,9 @@ def validate_args(model: type[_Args], data: dict[str, Any]) -> _Args:
     try:
         return model(**values)
     except ValidationError as e:
-        names = ", ".join(".".join(str(p) for p in err["loc"]) for err in e.errors())
-        details = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        raise InvalidParameterError(names, details) from None
+        # A check across fields (a model validator) has no location; its
+        # message names the fields itself.
+        locs = [".".join(str(p) for p in err["loc"]) or "options" for err in e.errors()]
+        msgs = [err["msg"].removeprefix("Value error, ") for err in e.errors()]
+        details = "; ".join(f"{loc}: {msg}" for loc, msg in zip(locs, msgs))
+        raise InvalidParameterError(", ".join(dict.fromkeys(locs)), details) from None

@@ -110,15 +110,23 @@ class TransferGroup:
         if not 0 <= rank < world_size:
             raise InvalidParameterError("rank_offset", f"rank {rank} is outside a group of {world_size}")
         timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(self.store, rank, world_size)
-        else:
-            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
         self.rank = rank
-        # Every member waits here for all: the first broadcast then finds a whole group.
-        self._broadcast([torch.zeros(1, device=self.device)])
+        try:
+            self.store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+            if backend == "nccl":
+                self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(self.store, rank, world_size)
+            else:
+                self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+            # Every member waits here for all: the first broadcast then finds a whole group.
+            self._broadcast([torch.zeros(1, device=self.device)])
+        except RuntimeError as e:  # torch's DistError family: a refused or silent peer, a missing member
+            cause = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
+            raise InvalidParameterError(
+                "init_info", f"the {backend} group at {master_address}:{master_port} (world_size {world_size}, "
+                f"this member's rank {rank}) did not form within timeout_s={timeout_s:g}: {cause}; check "
+                "master_address, master_port and world_size, and that the trainer joined as rank 0",
+            ) from None
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         options = dist.BroadcastOptions()

@@ -19,7 +19,12 @@ sleep) do not come on the connection: the client puts them in the intake
 (`intake.call_utility`, from its own thread, or from a Ray call on the
 SchedulerActor) and waits for their future. When one is next, the loop
 takes back every step in flight (pushing their outputs), runs it on this
-thread, and pushes once more, so a client blocked in `step` wakes.
+thread, and pushes once more, so a client blocked in `step` wakes. A
+utility that waits on someone outside the engine (`BACKGROUND_UTILITIES`:
+a weight-transfer group forming, for as long as its timeout) runs on a
+thread beside the steps instead, when the loop has a thread of its own:
+requests are served meanwhile, and until it returns any other utility
+that would reach the workers fails at once, naming it.
 
 Ray-free: it is handed a connected `CoreConnection` (local_pipe.py).
 """
@@ -31,11 +36,11 @@ import threading
 import time
 import traceback
 
-from rayvllm.engine.engine_core import EngineCore
-from rayvllm.engine.intake import RequestIntake
+from rayvllm.engine.engine_core import BACKGROUND_UTILITIES, CORE_ONLY_UTILITIES, EngineCore
+from rayvllm.engine.intake import RequestIntake, UtilityCall
 from rayvllm.engine.local_pipe import CoreConnection
 from rayvllm.messages.engine_types import EngineCoreFailure, EngineCoreInput, EngineCoreOutputs, SchedulerStats
-from rayvllm.messages.errors import EngineDeadError, StepFailedError
+from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +64,17 @@ class EngineCoreLoop:
         self.intake = RequestIntake()
         self._pushed_applied = -1  # `intake.applied` as of the last push
         self._pushed_at = 0.0  # time.monotonic() of the last push
+        # Set by `run`: the loop then owns its thread, and a background
+        # utility may run beside it (see the module's docstring).
+        self._owns_thread = False
+        self._beside: tuple[UtilityCall, threading.Thread] | None = None
 
     def run(self) -> None:
         """Serve until the client hangs up (on the calling thread, one of
         its own: a reader thread takes the inputs meanwhile)."""
         reader = threading.Thread(target=self._read, name="rayvllm-core-input", daemon=True)
         reader.start()
+        self._owns_thread = True
         try:
             self.open()
             while not self.intake.closed:
@@ -110,9 +120,22 @@ class EngineCoreLoop:
         if not self.intake.utility_next():
             self._step()
             return
+        call = self.intake.take_utility()
+        if self._beside is not None and self._beside[1].is_alive() and call.method not in CORE_ONLY_UTILITIES:
+            running = self._beside[0].method
+            call.future.set_exception(InvalidParameterError(
+                "method", f"{call.method} cannot run until {running} returns (it waits for its group to form, "
+                "at most its timeout_s)",
+            ))
+            return
+        if self._owns_thread and call.method in BACKGROUND_UTILITIES:
+            thread = threading.Thread(target=call.run, args=(self.core,), name=f"rayvllm-{call.method}", daemon=True)
+            self._beside = (call, thread)
+            thread.start()
+            return
         if self.core.has_inflight():
             self._push(EngineCoreOutputs(self.core.finish_inflight(), self._stats(), self.intake.applied))
-        self.intake.run_utility(self.core)
+        call.run(self.core)
         self._push(EngineCoreOutputs([], self._stats(), self.intake.applied))
 
     def _step(self) -> None:

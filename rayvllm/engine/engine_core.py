@@ -64,6 +64,14 @@ UTILITY_METHODS = frozenset({
     "update_weights", "finish_weight_update", "pause_scheduling", "resume_scheduling", "sleep", "wake_up",
     "is_sleeping",
 })
+# Utilities that wait on someone outside the engine (a weight-transfer group
+# forms only when the trainer and every worker joined): the loop runs them
+# beside its steps (core_loop.py), so requests are served meanwhile. They
+# touch no state a step reads.
+BACKGROUND_UTILITIES = frozenset({"init_weight_transfer_engine"})
+# Utilities that never reach the workers: they may run while a background
+# one holds them.
+CORE_ONLY_UTILITIES = frozenset({"reset_prefix_cache", "pause_scheduling", "resume_scheduling", "is_sleeping"})
 SLEEP_TAGS = ("weights", "kv_cache")
 
 @dataclass

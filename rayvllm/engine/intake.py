@@ -51,6 +51,13 @@ class UtilityCall:
     kwargs: dict[str, Any]
     future: Future[Any] = field(default_factory=Future)
 
+    def run(self, target: UtilityTarget) -> None:
+        """Call it on `target`; settle the future with the result or the error."""
+        try:
+            self.future.set_result(target.call_utility(self.method, self.args, self.kwargs))
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            self.future.set_exception(e)
+
 
 class RequestIntake:
     def __init__(self) -> None:
@@ -137,11 +144,9 @@ class RequestIntake:
         """A utility call is the next input."""
         return bool(self._items) and isinstance(self._items[0], UtilityCall)
 
-    def run_utility(self, core: UtilityTarget) -> None:
-        """Run the next input, a utility call, and settle its future."""
+    def take_utility(self) -> UtilityCall:
+        """The next input, a utility call, taken out: its taker runs it
+        (`UtilityCall.run`) or settles its future otherwise."""
         call = self._items.popleft()
         assert isinstance(call, UtilityCall)
-        try:
-            call.future.set_result(core.call_utility(call.method, call.args, call.kwargs))
-        except Exception as e:  # noqa: BLE001 - the caller gets it
-            call.future.set_exception(e)
+        return call

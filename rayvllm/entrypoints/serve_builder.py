@@ -302,7 +302,7 @@ def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     from rayvllm.entrypoints.autoscaling import serve_autoscaling_config
-    from rayvllm.entrypoints.openai.api_server import SERVER_ACTOR_OPTIONS, LLMServer, RoutedLLMServer
+    from rayvllm.entrypoints.openai.api_server import SERVER_ACTOR_OPTIONS, RoutedLLMServer, llm_server
     from rayvllm.utils.demo import demo_model_path
 
     engine, server = split_args(dict(args or {}))
@@ -330,7 +330,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if server.disable_access_log:
         options["logging_config"] = LoggingConfig(enable_access_log=False)
     if server.max_replicas == 1:
-        return LLMServer.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
+        deployment = llm_server(server.access().planes)
+        return deployment.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
     servers = RoutedLLMServer.options(**options).bind(given, **server.model_dump())  # type: ignore[attr-defined]
     # Several replicas: the router ingress reads each HTTP body once and
     # hands the request router its prompt's tokens (router_ingress.py).

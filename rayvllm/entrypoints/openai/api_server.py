@@ -10,6 +10,7 @@ reaches the engine through its `EngineClient` methods only.
 
 
 import contextlib
+import logging
 import uuid
 from dataclasses import asdict
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 import ray
 from ray import serve
+from ray.serve.deployment import Deployment
 from ray.serve._private.constants import RAY_SERVE_ENABLE_DIRECT_INGRESS
 
 from rayvllm.actors.factory import async_llm_from_engine_args
@@ -27,9 +29,9 @@ from rayvllm.config.engine_args import EngineArgs
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from rayvllm.entrypoints.openai.forwarding import (
-    ForwardedChunk, ResponseHead, StreamPacer, forwarded_routes, response_parts,
+    ForwardedChunk, ResponseHead, RouteSpec, StreamPacer, forwarded_routes, response_parts,
 )
-from rayvllm.entrypoints.openai.http_route import Reply, openai_route
+from rayvllm.entrypoints.openai.http_route import Reply, mount_routes, openai_route, served_at
 from rayvllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,14 +40,17 @@ from rayvllm.entrypoints.openai.protocol import (
     parse_tokenize_request,
 )
 from rayvllm.entrypoints.openai.responses_protocol import ResponsesRequest
-from rayvllm.entrypoints.openai.server_args import PENDING_PER_SEQ, ServerArgs, default_max_pending_prompt_tokens
+from rayvllm.entrypoints.openai.server_args import (
+    PENDING_PER_SEQ, Plane, ServerArgs, default_max_pending_prompt_tokens,
+)
 from rayvllm.entrypoints.openai.serving import OpenAIServing
 from rayvllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from rayvllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from rayvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from rayvllm.entrypoints.openai.rl_protocol import PauseRequest, UpdateWeightsRequest, WeightTransferInitRequest
+from rayvllm.entrypoints.openai.rl_protocol import (
+    PauseRequest, SleepRequest, UpdateWeightsRequest, WakeUpRequest, WeightTransferInitRequest,
+)
 from rayvllm.entrypoints.openai.stream_resume import StreamResume
-from rayvllm.messages.errors import ModelNotFoundError
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.outputs import RequestOutput, RequestOutputKind
 from rayvllm.messages.pooling_params import PoolingParams
@@ -53,7 +58,7 @@ from rayvllm.messages.resume import ResumePoint
 from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.messages.weight_update import WeightUpdateInfo
 
-app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
+logger = logging.getLogger(__name__)
 
 
 def _lora_updated(body: dict[str, Any], done: str) -> Response:
@@ -148,7 +153,6 @@ class LLMServerImpl:
         )
         self.embedding = OpenAIServingEmbedding(self.engine, *serving_args, models=self.models)
         self.responses = OpenAIServingResponses(self.engine, *serving_args, models=self.models)
-        self.allow_runtime_lora_updating = server.allow_runtime_lora_updating
         self._multiplexed_lora = None
         if config.lora_config is not None:
             # Serve model multiplexing: a replica reports the adapters it
@@ -163,7 +167,13 @@ class LLMServerImpl:
             self._multiplexed_lora = serve.multiplexed(
                 max_num_models_per_replica=config.lora_config.max_cpu_loras
             )(lora_for)
-        self.api_key = server.api_key
+        self.access = server.access()
+        # What `serve_http` answers behind the router ingress: the routes
+        # this server mounts, and no others.
+        self.routes = server_routes(self.access.planes)
+        warning = server.open_planes_warning()
+        if warning is not None:
+            logger.warning(warning)
         self.max_request_bytes = server.max_request_bytes
         self._pacer = StreamPacer()
 
@@ -180,127 +190,138 @@ class LLMServerImpl:
         self.engine.check_runner(PoolingParams())
         await self._multiplexed_adapter()
 
-    async def _require_runtime_lora(self) -> None:
-        if not self.allow_runtime_lora_updating:
-            raise ModelNotFoundError(
-                "loading adapters at run time is off; start the server with allow_runtime_lora_updating=true"
-            )
-
     # ---- OpenAI routes --------------------------------------------------------------
 
-    @app.post("/v1/completions")
+    @served_at("POST", "/v1/completions")
     @openai_route(CompletionRequest, before=_multiplexed_adapter, movable=True)
     async def completions(
         self, body: CompletionRequest, resume: StreamResume | None = None, tracked: bool = False
     ) -> Reply:
         return await self.serving.create_completion(body, f"cmpl-{uuid.uuid4().hex}", resume, tracked)
 
-    @app.post("/v1/chat/completions")
+    @served_at("POST", "/v1/chat/completions")
     @openai_route(ChatCompletionRequest, before=_multiplexed_adapter, movable=True)
     async def chat_completions(
         self, body: ChatCompletionRequest, resume: StreamResume | None = None, tracked: bool = False
     ) -> Reply:
         return await self.serving.create_chat_completion(body, f"chatcmpl-{uuid.uuid4().hex}", resume, tracked)
 
-    @app.post("/v1/responses")
+    @served_at("POST", "/v1/responses")
     @openai_route(ResponsesRequest, before=_multiplexed_adapter)
     async def create_response(self, body: ResponsesRequest) -> Reply:
         return await self.responses.create_response(body, f"resp_{uuid.uuid4().hex}")
 
-    @app.post("/v1/embeddings")
+    @served_at("POST", "/v1/embeddings")
     @openai_route(EmbeddingRequest, before=_require_pooling)
     async def embeddings(self, body: EmbeddingRequest) -> Reply:
         return await self.embedding.create_embedding(body, f"embd-{uuid.uuid4().hex}")
 
-    @app.get("/v1/models")
+    @served_at("GET", "/v1/models")
     @openai_route()
     async def models(self) -> Reply:
         return self.serving.show_models()
 
-    @app.post("/v1/load_lora_adapter")
-    @openai_route(dict, before=_require_runtime_lora)
+    @served_at("POST", "/v1/load_lora_adapter")
+    @openai_route(dict, plane=Plane.ADAPTERS)
     async def load_lora_adapter(self, body: dict[str, Any]) -> Reply:
         """vLLM's route: {"lora_name", "lora_path"} becomes a served model
         (on this replica: the one that answers)."""
         self.models.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
         return _lora_updated(body, "added")
 
-    @app.post("/v1/unload_lora_adapter")
-    @openai_route(dict, before=_require_runtime_lora)
+    @served_at("POST", "/v1/unload_lora_adapter")
+    @openai_route(dict, plane=Plane.ADAPTERS)
     async def unload_lora_adapter(self, body: dict[str, Any]) -> Reply:
         """vLLM's route: {"lora_name"} is served no more; admitted requests finish with it."""
         self.models.unload_lora_adapter(body.get("lora_name"))
         return _lora_updated(body, "removed")
 
-    @app.post("/tokenize")
+    @served_at("POST", "/tokenize")
     @openai_route(parse_tokenize_request)
     async def tokenize(self, body: TokenizeRequest) -> Reply:
         return await self.serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @served_at("POST", "/detokenize")
     @openai_route(DetokenizeRequest)
     async def detokenize(self, body: DetokenizeRequest) -> Reply:
         return self.serving.detokenize(body)
 
-    @app.get("/health")
+    @served_at("GET", "/health")
     @openai_route(public=True)
     async def health(self) -> Reply:
         await self.engine.check_health()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @served_at("GET", "/metrics")
     @openai_route(public=True)
     async def metrics(self) -> Reply:
         payload, content_type = await self.engine.render_metrics()
         return Response(payload, media_type=content_type)
 
-    # ---- the control plane for RL loops (docs/RL.md), behind the API key -------------
+    # ---- the control plane for RL loops (docs/RL.md): mounted by enable_control_plane --
 
-    @app.post("/reset_prefix_cache")
-    @openai_route(replica_wide=True)
+    @served_at("POST", "/reset_prefix_cache")
+    @openai_route(replica_wide=True, plane=Plane.CONTROL)
     async def reset_prefix_cache_route(self) -> Reply:
         return JSONResponse({"reset": await self.engine.reset_prefix_cache()})
 
-    @app.post("/pause")
-    @openai_route(PauseRequest, replica_wide=True)
+    @served_at("POST", "/pause")
+    @openai_route(PauseRequest, replica_wide=True, plane=Plane.CONTROL)
     async def pause_route(self, body: PauseRequest) -> Reply:
         await self.engine.pause_generation(body.mode, body.clear_cache)
         return Response(status_code=200)
 
-    @app.post("/resume")
-    @openai_route(replica_wide=True)
+    @served_at("POST", "/resume")
+    @openai_route(replica_wide=True, plane=Plane.CONTROL)
     async def resume_route(self) -> Reply:
         await self.engine.resume_generation()
         return Response(status_code=200)
 
-    @app.get("/is_paused")
-    @openai_route()
+    @served_at("GET", "/is_paused")
+    @openai_route(plane=Plane.CONTROL)
     async def is_paused_route(self) -> Reply:
         return JSONResponse({"is_paused": self.engine.is_paused()})
 
-    @app.post("/init_weight_transfer_engine")
-    @openai_route(WeightTransferInitRequest, replica_wide=True)
+    @served_at("POST", "/init_weight_transfer_engine")
+    @openai_route(WeightTransferInitRequest, replica_wide=True, plane=Plane.CONTROL)
     async def init_weight_transfer_engine_route(self, body: WeightTransferInitRequest) -> Reply:
-        await self.engine.init_weight_transfer_engine(**body.init_info.model_dump())
+        await self.engine.init_weight_transfer_engine(**body.init_info.model_dump(exclude_none=True))
         return Response(status_code=200)
 
-    @app.post("/start_weight_update")
-    @openai_route(replica_wide=True)
+    @served_at("POST", "/start_weight_update")
+    @openai_route(replica_wide=True, plane=Plane.CONTROL)
     async def start_weight_update_route(self) -> Reply:
         await self.engine.start_weight_update()
         return Response(status_code=200)
 
-    @app.post("/update_weights")
-    @openai_route(UpdateWeightsRequest, replica_wide=True)
+    @served_at("POST", "/update_weights")
+    @openai_route(UpdateWeightsRequest, replica_wide=True, plane=Plane.CONTROL)
     async def update_weights_route(self, body: UpdateWeightsRequest) -> Reply:
         await self.engine.update_weights(WeightUpdateInfo(**body.update_info.model_dump()))
         return Response(status_code=200)
 
-    @app.post("/finish_weight_update")
-    @openai_route(replica_wide=True)
+    @served_at("POST", "/finish_weight_update")
+    @openai_route(replica_wide=True, plane=Plane.CONTROL)
     async def finish_weight_update_route(self) -> Reply:
         await self.engine.finish_weight_update()
         return Response(status_code=200)
+
+    @served_at("POST", "/sleep")
+    @openai_route(SleepRequest, replica_wide=True, plane=Plane.CONTROL)
+    async def sleep_route(self, body: SleepRequest) -> Reply:
+        await self.engine.sleep(body.level)
+        return Response(status_code=200)
+
+    @served_at("POST", "/wake_up")
+    @openai_route(WakeUpRequest, replica_wide=True, plane=Plane.CONTROL)
+    async def wake_up_route(self, body: WakeUpRequest) -> Reply:
+        await self.engine.wake_up(body.tags)
+        return Response(status_code=200)
+
+    @served_at("GET", "/is_sleeping")
+    @openai_route(plane=Plane.CONTROL)
+    async def is_sleeping_route(self) -> Reply:
+        return JSONResponse({"is_sleeping": self.engine.is_sleeping()})
 
     # ---- Python handle methods ------------------------------------------------------
 
@@ -408,7 +429,7 @@ class LLMServerImpl:
         router's hints; the replica itself ignores them. `resume`: the
         stream (of a completion or chat route) continues from there, after
         its replica died."""
-        spec = FORWARDED_ROUTES.get((method, path))
+        spec = self.routes.get((method, path))
         route_kwargs = {"resume": resume} if resume is not None else {}
         response = (
             await spec.forwarded(self, data, **route_kwargs)
@@ -464,10 +485,29 @@ SERVER_DEPLOYMENT: dict[str, Any] = {
     "max_ongoing_requests": 4096,
     **REPLICA_HEALTH_CHECK,
 }
-# (method, path) -> route: read before `serve.ingress` rewrites the app's routes.
-FORWARDED_ROUTES = forwarded_routes(app, LLMServerImpl)
-# One replica answers HTTP itself (FastAPI ingress).
-LLMServer = serve.deployment(**SERVER_DEPLOYMENT)(serve.ingress(app)(LLMServerImpl))
+
+
+def server_app(planes: frozenset[Plane]) -> FastAPI:
+    """The server's FastAPI app: the routes of `planes` (`ServerArgs.access`), no others."""
+    app = FastAPI(title="rayvllm", description="OpenAI-compatible API served by rayvllm")
+    return mount_routes(app, LLMServerImpl, planes)
+
+
+def server_routes(planes: frozenset[Plane]) -> dict[tuple[str, str], RouteSpec]:
+    """(method, path) -> route, for the routes of `planes`."""
+    return forwarded_routes(server_app(planes), LLMServerImpl)
+
+
+def llm_server(planes: frozenset[Plane]) -> Deployment:
+    """The deployment of one replica that answers HTTP itself (FastAPI
+    ingress), with the routes of `planes` mounted: bind it with the
+    server options that give those planes (`ServerArgs.access`); a plane
+    the options turn on and the app lacks answers 404."""
+    return serve.deployment(**SERVER_DEPLOYMENT)(serve.ingress(server_app(planes))(LLMServerImpl))
+
+
+# One replica with the API alone (the default options).
+LLMServer = llm_server(ServerArgs().access().planes)
 # Several sit behind the router ingress (router_ingress.py; Serve allows one
 # FastAPI ingress per app), which reaches their routes through `serve_http`.
 RoutedLLMServer = serve.deployment(**SERVER_DEPLOYMENT)(LLMServerImpl)

@@ -16,7 +16,10 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 
-from rayvllm.entrypoints.openai.http_route import FORWARDED_ATTR, PUBLIC_ATTR, READS_BODY_ATTR, REPLICA_WIDE_ATTR
+from rayvllm.entrypoints.openai.http_route import (
+    FORWARDED_ATTR, PLANE_ATTR, PUBLIC_ATTR, READS_BODY_ATTR, REPLICA_WIDE_ATTR,
+)
+from rayvllm.entrypoints.openai.server_args import Plane
 from rayvllm.entrypoints.openai.stream_resume import ProgressEvent, StreamResume
 from rayvllm.entrypoints.openai.streams import EventStream
 
@@ -52,14 +55,15 @@ class ForwardedChunk:
 @dataclass(frozen=True)
 class RouteSpec:
     """One route of the server: `forwarded(owner, data, **route_kwargs)`
-    answers it for a body read elsewhere; a `public` route takes no API
-    key; `reads_body`: whether it has a body to read; a `replica_wide` one
-    goes to every replica."""
+    answers it for a body read elsewhere; a `public` route takes no key;
+    `reads_body`: whether it has a body to read; a `replica_wide` one goes
+    to every replica; `plane` says which keys it takes (`RouteAccess.keys`)."""
 
     forwarded: Forwarded
     public: bool
     reads_body: bool
     replica_wide: bool = False
+    plane: Plane = Plane.API
 
 
 @dataclass
@@ -103,7 +107,7 @@ def forwarded_routes(app: FastAPI, owner: type) -> dict[tuple[str, str], RouteSp
             continue
         spec = RouteSpec(
             forwarded, bool(getattr(handler, PUBLIC_ATTR, False)), bool(getattr(handler, READS_BODY_ATTR, False)),
-            bool(getattr(handler, REPLICA_WIDE_ATTR, False)),
+            bool(getattr(handler, REPLICA_WIDE_ATTR, False)), getattr(handler, PLANE_ATTR, Plane.API),
         )
         for method in route.methods:
             table[(method, route.path)] = spec

@@ -12,11 +12,12 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from rayvllm.entrypoints.openai.protocol import error_body, parse_request
+from rayvllm.entrypoints.openai.server_args import Plane, RouteAccess
 from rayvllm.messages.errors import (
     AuthenticationError,
     EngineOverloadedError,
@@ -25,8 +26,8 @@ from rayvllm.messages.errors import (
 )
 
 __all__ = [
-    "FORWARDED_ATTR", "PUBLIC_ATTR", "READS_BODY_ATTR", "REPLICA_WIDE_ATTR", "RETRY_AFTER_S", "RouteOwner",
-    "openai_route",
+    "FORWARDED_ATTR", "PLANE_ATTR", "PUBLIC_ATTR", "READS_BODY_ATTR", "REPLICA_WIDE_ATTR", "RETRY_AFTER_S",
+    "RouteOwner", "mount_routes", "openai_route", "served_at",
 ]
 
 # Clients told to come back after an overload wait this long (seconds).
@@ -41,6 +42,10 @@ READS_BODY_ATTR = "reads_body"
 # The attribute that marks a route every replica must answer (a weight
 # update, a pause): the router ingress sends it to all of them.
 REPLICA_WIDE_ATTR = "replica_wide"
+# The attribute that names a route's `Plane` (which option mounts it, which key it takes).
+PLANE_ATTR = "plane"
+# The attribute that holds a route's (method, path) (`served_at`).
+HTTP_ATTR = "http"
 
 # What a route body may return: a ready response, a pydantic body (sent as
 # JSON), or a stream of server-sent events.
@@ -52,7 +57,7 @@ Handler = Callable[[Any, Request], Awaitable[Response]]
 class RouteOwner(Protocol):
     """The object whose methods are the routes (a Serve ingress class)."""
 
-    api_key: str | None
+    access: RouteAccess
     max_request_bytes: int | None
 
 
@@ -62,12 +67,14 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def authorize(request: Request, api_key: str | None) -> None:
-    """With an API key set, a request needs `Authorization: Bearer <key>`."""
-    if api_key is None:
+def authorize(request: Request, keys: tuple[str, ...]) -> None:
+    """Where `keys` holds any, a request needs `Authorization: Bearer <key>`
+    with one of them (`RouteAccess.keys`)."""
+    if not keys:
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+    given = request.headers.get("authorization", "").encode()
+    # Every key compared, so the time taken says nothing of which matched.
+    if not any([hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]):
         raise AuthenticationError("missing or wrong API key (send 'Authorization: Bearer <key>')")
 
 
@@ -109,11 +116,13 @@ def openai_route(
     before: Callable[[Any], Awaitable[object]] | None = None,
     replica_wide: bool = False,
     movable: bool = False,
+    plane: Plane = Plane.API,
 ) -> Callable[[RouteBody], Handler]:
     """Wrap `route(self[, body])` into a FastAPI method `(self, request)`.
 
-    In order: authorization with the owner's `api_key` (skipped for a
-    `public` route: /health and /metrics, which probes and scrapers reach);
+    In order: authorization with the keys the owner's `access` gives the
+    route's `plane` (skipped for a `public` route: /health and /metrics,
+    which probes and scrapers reach);
     `before(self)`, awaited before the body is read (a route the server
     cannot serve answers so without reading it); the body, at most
     `max_request_bytes` of a JSON object, validated into `body` when it is
@@ -156,7 +165,7 @@ def openai_route(
             owner: RouteOwner = self
             if not public:
                 try:
-                    authorize(request, owner.api_key)
+                    authorize(request, owner.access.keys(plane))
                 except Exception as e:  # noqa: BLE001
                     return error_response(e)
             return await answer(self, lambda: read_json(request, owner.max_request_bytes), {})
@@ -184,6 +193,29 @@ def openai_route(
         setattr(handler, PUBLIC_ATTR, public)
         setattr(handler, REPLICA_WIDE_ATTR, replica_wide)
         setattr(handler, READS_BODY_ATTR, body is not None)
+        setattr(handler, PLANE_ATTR, plane)
         return handler
 
     return wrap
+
+
+def served_at(method: str, path: str) -> Callable[[Handler], Handler]:
+    """Declare an `openai_route` handler's HTTP method and path; `mount_routes` mounts it."""
+
+    def mark(handler: Handler) -> Handler:
+        setattr(handler, HTTP_ATTR, (method, path))
+        return handler
+
+    return mark
+
+
+def mount_routes(app: FastAPI, owner: type, planes: frozenset[Plane]) -> FastAPI:
+    """`app` with every route `owner` declares (`served_at`) whose plane is
+    in `planes`, in declaration order; a route of another plane is not
+    mounted at all (a request for it is one for an unknown path)."""
+    for handler in vars(owner).values():
+        declared = getattr(handler, HTTP_ATTR, None)
+        if declared is not None and getattr(handler, PLANE_ATTR) in planes:
+            method, path = declared
+            app.add_api_route(path, handler, methods=[method])
+    return app

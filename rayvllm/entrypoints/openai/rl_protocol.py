@@ -1,4 +1,4 @@
-"""The bodies of the RL control-plane routes: pause, and weight transfer
+"""The bodies of the RL control-plane routes: pause, sleep, and weight transfer
 (vLLM's names and shapes: `init_info`, `update_info`). Over HTTP only the process-group backends
 apply (gloo, nccl): the route carries the group's address and each chunk's
 metadata, and the tensors travel over the group; the `ray` backend's
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class WeightTransferInitInfo(BaseModel):
@@ -20,6 +20,9 @@ class WeightTransferInitInfo(BaseModel):
     world_size: int
     # The first engine worker's rank in the trainer's group (the trainer is 0).
     rank_offset: int = 1
+    # How long the group may take to form (and each broadcast to finish);
+    # unset: the engine's default (DEFAULT_TRANSFER_TIMEOUT_S).
+    timeout_s: float | None = Field(None, gt=0)
 
 
 class WeightTransferInitRequest(BaseModel):
@@ -47,3 +50,16 @@ class PauseRequest(BaseModel):
 
     mode: Literal["abort", "wait", "keep"] = "abort"
     clear_cache: bool = False
+
+
+class SleepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal[1, 2] = 1
+
+
+class WakeUpRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # None: everything asleep ("weights", "kv_cache").
+    tags: list[str] | None = None

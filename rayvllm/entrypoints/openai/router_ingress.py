@@ -33,7 +33,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from rayvllm.config.engine_args import EngineArgs
-from rayvllm.entrypoints.openai.api_server import FORWARDED_ROUTES, REPLICA_HEALTH_CHECK, SERVER_ACTOR_OPTIONS
+from rayvllm.entrypoints.openai.api_server import REPLICA_HEALTH_CHECK, SERVER_ACTOR_OPTIONS, server_routes
 from rayvllm.entrypoints.openai.direct_ingress import bind_direct_ingress_with_reuse_address
 from rayvllm.entrypoints.openai.forwarding import ForwardedChunk, ResponseHead
 from rayvllm.entrypoints.openai.http_route import authorize, error_response, read_json
@@ -113,7 +113,12 @@ class OpenAIRouter:
     def __init__(self, server: DeploymentHandle, engine_args: dict[str, Any], **server_args: Any) -> None:
         bind_direct_ingress_with_reuse_address()
         args = ServerArgs.from_dict(server_args)
-        self.api_key = args.api_key
+        self.access = args.access()
+        # The servers' routes that these options mount; the others are unknown paths here too.
+        self.routes = server_routes(self.access.planes)
+        warning = args.open_planes_warning()
+        if warning is not None:
+            logger.warning(warning)
         self.max_request_bytes = args.max_request_bytes
         self.stream_migration_limit = args.stream_migration_limit
         self._server = server
@@ -129,15 +134,15 @@ class OpenAIRouter:
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request) -> Response:
         path = "/" + path  # below the app's route prefix, as the server's routes are declared
-        spec = FORWARDED_ROUTES.get((request.method, path))
+        spec = self.routes.get((request.method, path))
         if spec is None:
-            methods = sorted(m for m, p in FORWARDED_ROUTES if p == path)
+            methods = sorted(m for m, p in self.routes if p == path)
             if methods:
                 return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": ", ".join(methods)})
             return JSONResponse({"detail": "Not Found"}, 404)
         try:
             if not spec.public:
-                authorize(request, self.api_key)
+                authorize(request, self.access.keys(spec.plane))
             data = await read_json(request, self.max_request_bytes) if spec.reads_body else None
         except Exception as e:  # noqa: BLE001 - answered as the server would
             return error_response(e)

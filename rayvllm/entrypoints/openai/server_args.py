@@ -5,6 +5,8 @@ each default and its help live here only. Ray-free."""
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -37,6 +39,51 @@ def default_max_pending_prompt_tokens(max_num_batched_tokens: int, max_model_len
 REQUEST_ROUTERS = ("kv", "pow2")
 
 
+class Plane(enum.Enum):
+    """Who a route is for. `API`: clients (completions, models, health...),
+    always mounted. `ADAPTERS`: loading LoRA adapters by server path at run
+    time (`allow_runtime_lora_updating`). `CONTROL`: the RL control plane
+    (pause, reset the prefix cache, sleep, weight transfer:
+    `enable_control_plane`). The last two change what the server serves for
+    everyone; a server mounts them only when their option is on (otherwise
+    they answer 404 as unknown paths do), and they take the admin key."""
+
+    API = "api"
+    ADAPTERS = "adapters"
+    CONTROL = "control"
+
+
+# The option that mounts each plane beyond the API.
+PLANE_OPTIONS = {Plane.ADAPTERS: "allow_runtime_lora_updating", Plane.CONTROL: "enable_control_plane"}
+
+
+@dataclass(frozen=True)
+class RouteAccess:
+    """The routes a server (or the router ingress in front of several)
+    mounts and the keys each takes. Invariant (`ServerArgs` checks it): a
+    plane beyond `API` is mounted with a key unless the operator said the
+    port is private."""
+
+    planes: frozenset[Plane]
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def keys(self, plane: Plane) -> tuple[str, ...]:
+        """The keys a route of `plane` accepts (none: it is open). The API
+        takes the API key, and the admin key too (an admin is a client);
+        the other planes take the admin key, or the API key where no admin
+        key is set."""
+        if plane is Plane.API:
+            return () if self.api_key is None else tuple(k for k in (self.api_key, self.admin_api_key) if k)
+        admin = self.admin_api_key or self.api_key
+        return () if admin is None else (admin,)
+
+    def unguarded(self) -> list[str]:
+        """The options of the mounted planes beyond `API` that take no key."""
+        return [PLANE_OPTIONS[p] for p in sorted(self.planes, key=lambda p: p.value) if p in PLANE_OPTIONS
+                and not self.keys(p)]
+
+
 class ServerArgs(BaseModel):
     """Options of the server itself (not of the engine); `rayvllm serve`
     takes each as a `--flag`."""
@@ -44,6 +91,18 @@ class ServerArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on the API routes")
+    enable_control_plane: bool = Field(
+        False, description="mount the RL control-plane routes (/pause, /resume, /reset_prefix_cache, /sleep, "
+        "/wake_up, weight transfer) on the HTTP port; they take admin_api_key, or api_key where it is unset",
+    )
+    admin_api_key: str | None = Field(
+        None, description="the key of the control-plane and runtime LoRA routes (instead of api_key, so that a "
+        "client allowed to generate is not thereby allowed to replace weights)",
+    )
+    port_is_private: bool = Field(
+        False, description="only trusted clients reach the HTTP port: the control plane and runtime LoRA "
+        "loading may then run without a key (a warning at start)",
+    )
     max_pending_requests: int | None = Field(
         None, description=f"answer 503 beyond this many unfinished requests; unset: {PENDING_PER_SEQ} x max_num_seqs"
     )
@@ -122,6 +181,42 @@ class ServerArgs(BaseModel):
         if self.autoscaling_config is not None and self.num_replicas != 1:
             raise ValueError("num_replicas and autoscaling_config exclude each other (autoscaling sets the count)")
         return self
+
+    @model_validator(mode="after")
+    def _admin_routes_are_guarded(self) -> "ServerArgs":
+        access = self.access()
+        unguarded = access.unguarded()
+        if unguarded and not self.port_is_private:
+            raise ValueError(
+                f"{' and '.join(unguarded)} would let anyone who reaches the port change the server, and no key "
+                "guards it: set admin_api_key (or api_key), or port_is_private=true if only trusted clients "
+                "reach the port"
+            )
+        if len(access.planes) == 1 and (self.admin_api_key is not None or self.port_is_private):
+            raise ValueError(
+                "admin_api_key and port_is_private apply to the control plane and runtime LoRA loading, and "
+                "neither is on (enable_control_plane, allow_runtime_lora_updating)"
+            )
+        return self
+
+    def access(self) -> RouteAccess:
+        """The routes to mount and their keys."""
+        planes = {Plane.API}
+        if self.enable_control_plane:
+            planes.add(Plane.CONTROL)
+        if self.allow_runtime_lora_updating:
+            planes.add(Plane.ADAPTERS)
+        return RouteAccess(frozenset(planes), self.api_key, self.admin_api_key)
+
+    def open_planes_warning(self) -> str | None:
+        """What the log says at start when planes beyond the API take no key."""
+        unguarded = self.access().unguarded()
+        if not unguarded:
+            return None
+        return (
+            f"{' and '.join(unguarded)} with no key (port_is_private=true): anyone who reaches this server's "
+            "port can pause it, reset its cache or replace its weights or adapters"
+        )
 
     @field_validator("request_router")
     @classmethod
