@@ -164,3 +164,56 @@ def test_the_server_mounts_and_forwards_the_routes_its_options_turn_on(
     assert not routes[("GET", "/v1/models")].reads_body
     assert {spec.plane for key, spec in routes.items() if key in CONTROL_ROUTES} <= {Plane.CONTROL}
     assert {spec.plane for key, spec in routes.items() if key in ADAPTER_ROUTES} <= {Plane.ADAPTERS}
+
+
+class _NoServer:
+    """A server handle that must not be called: a route the router does not forward never reaches it."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the router called its servers' {name}")
+
+
+def _router(options: dict[str, Any]) -> Any:
+    """The router ingress's own class (Serve left out), set up as its
+    `__init__` sets the parts `forward` reads."""
+    from rayvllm.entrypoints.openai.api_server import server_routes
+    from rayvllm.entrypoints.openai.router_ingress import OpenAIRouter
+    from rayvllm.entrypoints.openai.server_args import ServerArgs
+
+    router = object.__new__(OpenAIRouter.func_or_class)
+    args = ServerArgs(**options)
+    router.access, router.max_request_bytes, router._server = args.access(), args.max_request_bytes, _NoServer()
+    router.routes = server_routes(router.access.planes)
+    return router
+
+
+def _forward(router: Any, method: str, path: str, authorization: str | None = None) -> tuple[int, bytes]:
+    from starlette.requests import Request
+
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b""}
+    response = asyncio.run(type(router).forward(router, path.lstrip("/"), Request(scope, receive)))
+    return response.status_code, bytes(response.body)
+
+
+def test_the_router_ingress_forwards_no_control_route_by_default() -> None:
+    """In front of several replicas, the router ingress (its real `forward`)
+    answers every control-plane and runtime LoRA route as an unknown path
+    unless the options mount it; mounted, it wants the admin key before
+    any replica hears of the request."""
+    default = _router({"api_key": "user"})
+    unknown = _forward(default, "POST", "/no-such-route", "Bearer user")
+    assert unknown[0] == 404
+    admin_routes = sorted(set(CONTROL_ROUTES + ADAPTER_ROUTES))
+    for method, path in admin_routes:
+        assert _forward(default, method, path, "Bearer user") == unknown, path
+    mounted = _router({"api_key": "user", "admin_api_key": "admin", "enable_control_plane": True,
+                       "allow_runtime_lora_updating": True})
+    for method, path in admin_routes:
+        for authorization in (None, "Bearer user"):
+            assert _forward(mounted, method, path, authorization)[0] == 401, (path, authorization)

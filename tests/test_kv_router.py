@@ -142,6 +142,8 @@ from rayvllm.entrypoints.serve_builder import build_app  # noqa: E402
 
 API_KEY = "kvr-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_KEY = "kvr-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,8 @@ def two_replicas(serve_local: str, tiny_model_dir: Path) -> Iterator[tuple[serve
     """Two replicas behind the router ingress: its handle, and its URL through Serve's proxy."""
     # Serve replaces the killed router ingress after its next health check: soon, here.
     args = dict(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=1100, kv_cache_memory_bytes=8 << 20,
-                num_replicas=2, api_key=API_KEY, health_check_period_s=1)
+                num_replicas=2, api_key=API_KEY, health_check_period_s=1, enable_control_plane=True,
+                admin_api_key=ADMIN_KEY)
     try:
         yield serve.run(build_app(args), name="kvr", route_prefix="/kvr"), f"{serve_local}/kvr"
     finally:
@@ -324,9 +327,10 @@ def _replica_reports() -> list[dict]:
 def test_routes_that_change_the_engine_reach_every_replica(
     two_replicas: tuple[serve.handle.DeploymentHandle, str],
 ) -> None:
-    """/reset_prefix_cache through the router (with the key) empties both
-    replicas' caches: documents cached on each are missed after it; a
-    pause through the ingress's handle holds on both."""
+    """/reset_prefix_cache through the router (with the admin key: the API
+    key is refused) empties both replicas' caches: documents cached on
+    each are missed after it; a pause through the ingress's handle holds
+    on both."""
     handle, url = two_replicas
     rng = random.Random(17)
     slow = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)  # long enough to overlap
@@ -340,7 +344,8 @@ def test_routes_that_change_the_engine_reach_every_replica(
             break
     assert all(decode_report(r)[1] for r in _replica_reports())
     assert requests.post(f"{url}/reset_prefix_cache", timeout=60).status_code == 401
-    assert requests.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60).status_code == 200
+    assert requests.post(f"{url}/reset_prefix_cache", headers=AUTH, timeout=60).status_code == 401
+    assert requests.post(f"{url}/reset_prefix_cache", headers=ADMIN, timeout=60).status_code == 200
     for doc in docs:
         assert handle.generate.remote({"prompt_token_ids": doc + [9, 10]}, GREEDY).result().num_cached_tokens == 0
     handle.pause_generation.remote("keep").result()

@@ -18,6 +18,8 @@ from lora_oracle import peft_greedy
 MODEL = "tiny"
 PROMPT = [7, 301, 1999, 42, 3000, 18, 77]
 BASE_URL = app_url(__file__)
+# Loading adapters by server path takes the admin key; the API stays open here.
+ADMIN = {"Authorization": "Bearer lora-admin"}
 
 
 def serve_app_args(request: pytest.FixtureRequest) -> dict[str, object]:
@@ -27,7 +29,7 @@ def serve_app_args(request: pytest.FixtureRequest) -> dict[str, object]:
     return {
         "model": str(request.getfixturevalue("tiny_model_dir")), "served_model_name": MODEL, "enable_lora": True,
         "max_loras": 2, "max_lora_rank": 16, "lora_modules": f"a={adapters['a']} b={adapters['b']}",
-        "allow_runtime_lora_updating": True, "max_num_seqs": 8, "max_model_len": 512,
+        "allow_runtime_lora_updating": True, "admin_api_key": "lora-admin", "max_num_seqs": 8, "max_model_len": 512,
         "kv_cache_memory_bytes": 16 << 20,
     }
 
@@ -68,23 +70,28 @@ def test_model_name_picks_the_adapter(
     assert _complete("nope").status_code == 404
 
 
+def _admin(route: str, body: dict[str, object], headers: dict[str, str] | None = ADMIN) -> requests.Response:
+    return requests.post(f"{BASE_URL}{route}", json=body, headers=headers, timeout=30)
+
+
 def test_adapters_load_and_unload_at_run_time(
     serve_apps: None, tiny_model_dir: Path, lora_adapters: dict[str, Path], tiny_tokenizer
 ) -> None:
-    load = f"{BASE_URL}/v1/load_lora_adapter"
-    too_wide = requests.post(load, json={"lora_name": "wide", "lora_path": str(lora_adapters["wide"])}, timeout=30)
+    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+    c = {"lora_name": "c", "lora_path": str(lora_adapters["c"])}
+    for route in (load, unload):
+        assert _admin(route, c, headers=None).status_code == 401
+    too_wide = _admin(load, {"lora_name": "wide", "lora_path": str(lora_adapters["wide"])})
     assert too_wide.status_code == 400 and "max_lora_rank=16" in too_wide.json()["error"]["message"]
-    missing = requests.post(load, json={"lora_name": "gone", "lora_path": "/nonexistent"}, timeout=30)
+    missing = _admin(load, {"lora_name": "gone", "lora_path": "/nonexistent"})
     assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
-    taken = requests.post(load, json={"lora_name": MODEL, "lora_path": str(lora_adapters["c"])}, timeout=30)
-    assert taken.status_code == 400
-    assert requests.post(load, json={"lora_name": "c", "lora_path": str(lora_adapters["c"])}, timeout=30).ok
+    assert _admin(load, {"lora_name": MODEL, "lora_path": str(lora_adapters["c"])}).status_code == 400
+    assert _admin(load, c).ok
     resp = _complete("c")
     assert resp.status_code == 200
     assert resp.json()["choices"][0]["text"] == _expected_text(tiny_model_dir, lora_adapters["c"], tiny_tokenizer)
-    unload = f"{BASE_URL}/v1/unload_lora_adapter"
-    assert requests.post(unload, json={"lora_name": ["c"]}, timeout=30).status_code == 400
-    assert requests.post(unload, json={"lora_name": "c"}, timeout=30).ok
-    assert requests.post(unload, json={"lora_name": "c"}, timeout=30).status_code == 404
+    assert _admin(unload, {"lora_name": ["c"]}).status_code == 400
+    assert _admin(unload, {"lora_name": "c"}).ok
+    assert _admin(unload, {"lora_name": "c"}).status_code == 404
     assert _complete("c").status_code == 404
     assert "c" not in {c["id"] for c in requests.get(f"{BASE_URL}/v1/models", timeout=30).json()["data"]}

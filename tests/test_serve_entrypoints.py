@@ -51,6 +51,24 @@ def _check_demo(base_url: str) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+def _control_plane_unmounted(base_url: str) -> None:
+    """Every route the control plane or runtime LoRA loading would mount
+    answers as a path the server does not have, whatever the method."""
+    from rayvllm.entrypoints.openai.api_server import server_routes
+    from rayvllm.entrypoints.openai.server_args import Plane
+
+    unknown = requests.post(f"{base_url}/no-such-route", json={}, timeout=30)
+    assert unknown.status_code == 404
+    admin_paths = {path for _, path in server_routes(frozenset(Plane))} - {
+        path for _, path in server_routes(frozenset({Plane.API}))
+    }
+    assert "/init_weight_transfer_engine" in admin_paths and "/v1/load_lora_adapter" in admin_paths
+    for path in sorted(admin_paths):
+        for method in ("GET", "POST"):
+            r = requests.request(method, f"{base_url}{path}", json={}, timeout=30)
+            assert (r.status_code, r.json()) == (404, unknown.json()), (method, path)
+
+
 def _stream_through_sigterm(proc: ServeProcess, url: str, model: str, max_tokens: int) -> None:
     """A long stream is in flight when the server gets SIGTERM: it drains
     (the stream ends with all its tokens and [DONE]), then exits by itself
@@ -142,6 +160,9 @@ def test_serve_run_demo_app(servers: dict[str, ServeProcess]) -> None:
         levels = thread_niceness(proxy)
         assert (levels == {0}) == may_lower_niceness(), levels
         _check_demo(f"http://127.0.0.1:{proxy_port}")
+        # No key was given, so nothing that changes the server is mounted.
+        _control_plane_unmounted(proc.base_url)
+        _control_plane_unmounted(f"http://127.0.0.1:{proxy_port}")
         body = _curl_completion(proc.base_url)
         assert body["object"] == "text_completion" and body["model"] == DEMO_MODEL_NAME, body
         # The replica runs no model, so it never loads torch (whose import
@@ -159,6 +180,7 @@ def test_serve_run_config_file(serve_apps: ServeProcess) -> None:
     lowered the proxy's threads to niceness 0 (from Ray's 15) where the
     machine lets a process lower its niceness, and left it where it may not."""
     _check_demo(shipped_app_url())
+    _control_plane_unmounted(shipped_app_url())
     (proxy,) = serve_apps.descendant_pids("ray::ProxyActor")
     levels = thread_niceness(proxy)
     assert (levels == {0}) == may_lower_niceness(), levels
@@ -181,6 +203,26 @@ def test_rayvllm_serve_cli(servers: dict[str, ServeProcess]) -> None:
         _stream_through_sigterm(proc, url, "cli-model", 240)
     finally:
         proc.stop()
+
+
+def test_a_control_plane_without_a_key_is_refused_at_start(tmp_path: Path) -> None:
+    """`serve run` and `rayvllm serve` with the control plane on and no key
+    exit with a message naming the options that would fix it, before any
+    cluster starts."""
+    proc = serve_run(["serve_app:build_app", "enable_control_plane=true"], tmp_path / "serve.log")
+    try:
+        assert proc.proc.wait(timeout=180) != 0
+        log = proc.log_tail()
+        for name in ("enable_control_plane", "admin_api_key", "api_key", "port_is_private"):
+            assert name in log, log
+        assert "Started a local Ray instance" not in log, log
+    finally:
+        proc.stop()
+    if HAS_CLI:
+        cli = str(Path(sys.executable).with_name("rayvllm"))
+        out = subprocess.run([cli, "serve", "--enable-control-plane"], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert "enable_control_plane" in out.stderr and "port_is_private" in out.stderr, out.stderr
 
 
 def test_build_app_access_log_switch() -> None:
@@ -234,7 +276,7 @@ def test_a_ray_connected_build_takes_the_device_from_the_cluster(
 
 @pytest.mark.parametrize("args,command", [
     (["serve_app:app"], ServeRunCommand("serve_app:app")),
-    (["--app-dir", ".", "serve_app:build_app", "model=m"], ServeRunCommand("serve_app:build_app")),
+    (["--app-dir", ".", "serve_app:build_app", "model=m"], ServeRunCommand("serve_app:build_app", ("model=m",))),
     (["-d", "src", "--name=x", "serve_app:app", "--non-blocking", "--reload"], ServeRunCommand("serve_app:app")),
     (["serve_config.yaml", "--route-prefix", "/v"], ServeRunCommand("serve_config.yaml")),
     # Options about the cluster: the fast path takes them as `serve run` would.

@@ -314,5 +314,6 @@ def validate_args(model: type[_Args], data: dict[str, Any]) -> _Args:
         # message names the fields itself.
         locs = [".".join(str(p) for p in err["loc"]) or "options" for err in e.errors()]
         msgs = [err["msg"].removeprefix("Value error, ") for err in e.errors()]
-        details = "; ".join(f"{loc}: {msg}" for loc, msg in zip(locs, msgs))
+        # One error: the parameter's name leads the message once.
+        details = msgs[0] if len(msgs) == 1 else "; ".join(f"{loc}: {msg}" for loc, msg in zip(locs, msgs))
         raise InvalidParameterError(", ".join(dict.fromkeys(locs)), details) from None

@@ -115,6 +115,11 @@ def wait_for_port(port: int, host: str = "127.0.0.1", timeout_s: float = 90.0) -
     return True
 
 
+# This project's app builders as `serve run` names them: their key=value
+# options are checked before `serve run` starts anything.
+OUR_BUILDERS = frozenset({"serve_app:build_app", "rayvllm.entrypoints.serve_builder:build_app"})
+
+
 def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = None) -> bool:
     """Put `serve run <import path> [key=value ...]` on the fast path.
 
@@ -141,6 +146,9 @@ def start_fast_serve_run(argv: Sequence[str] | None = None, port: int | None = N
     command = serve_run_command(argv[2:])
     if command is None or Path(command.target).is_file():
         return False  # an unknown option, or a config file (its own proxy and HTTP settings)
+    if command.target in OUR_BUILDERS:
+        # Refused before a cluster starts, not after (Serve calls the builder last).
+        split_args(dict(arg.split("=", 1) for arg in command.app_args if "=" in arg))
     if ray.is_initialized() or any(k.startswith("RAY_SERVE_") and "DIRECT_INGRESS" in k for k in os.environ):
         return False
     runtime_env = command.runtime_env()
@@ -235,6 +243,7 @@ class ServeRunCommand:
     environment's options."""
 
     target: str
+    app_args: tuple[str, ...] = ()
     address: str | None = None
     runtime_env_file: str | None = None
     runtime_env_json: str | None = None
@@ -273,7 +282,7 @@ def serve_run_command(args: Sequence[str]) -> ServeRunCommand | None:
         field = _SERVE_RUN_VALUE_OPTIONS[name]
         if field is not None:
             values[field] = value
-    return ServeRunCommand(positional[0], **values) if positional else None
+    return ServeRunCommand(positional[0], tuple(positional[1:]), **values) if positional else None
 
 
 def drain_on_sigterm() -> None:

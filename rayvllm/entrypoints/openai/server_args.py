@@ -146,7 +146,8 @@ class ServerArgs(BaseModel):
     )
     # vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING; here an option (clients name server paths).
     allow_runtime_lora_updating: bool = Field(
-        False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
+        False, description="mount /v1/load_lora_adapter and /v1/unload_lora_adapter; they take admin_api_key, "
+        "or api_key where it is unset"
     )
     num_replicas: int = Field(1, ge=1, description="Serve replicas of the server, each with its own engine")
     autoscaling_config: dict[str, Any] | None = Field(
