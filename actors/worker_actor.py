@@ -53,7 +53,11 @@ class WorkerActor:
     def call(self, method: str, *args: Any) -> Any:
         """Setup and teardown calls (`init_distributed`, `preflight`, `load_model`, ...)
         and `collective_rpc`'s (`run_method`). They run on the actor's thread,
-        steps on the channel's: the engine loop sends none while one runs."""
+        steps on the channel's: the engine loop sends none while one runs.
+        The actor's thread is not the one `__init__` ran on (the health
+        group makes the actor threaded), and a torch thread count is per
+        thread: set it here too."""
+        self.worker.set_threads()
         return getattr(self.worker, method)(*args)
 
     def open_channel(self) -> tuple[tuple[str, int], bytes]:

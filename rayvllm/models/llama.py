@@ -31,6 +31,7 @@ from rayvllm.layers.linear import Linear, RowParallelLinear
 from rayvllm.layers.rotary import RotaryEmbedding
 from rayvllm.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.models.honoured import check_honoured
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -204,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
         """`with_lm_head=False`: a pooling model's, whose last stage stops at the final norm."""
         super().__init__()
         ctx = parallel or ParallelContext()
+        check_honoured(cfg)
         check_parallel_sizes(cfg, ctx.tp_size, ctx.pp_size)
         self.cfg = cfg
         self.parallel = ctx
