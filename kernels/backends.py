@@ -72,6 +72,9 @@ class AttentionBackend(ABC):
     # The model may store K/V itself with the fused float32 CPU RoPE +
     # cache-write kernel (which writes the SPLIT layout).
     fused_cpu_kv_write: ClassVar[bool]
+    # `forward` takes a layer's sliding window (the runner refuses a
+    # windowed model on a backend without it).
+    supports_sliding_window: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -106,8 +109,11 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """`key`/`value` are the step's new K/V, already stored in the cache."""
+        """`key`/`value` are the step's new K/V, already stored in the cache.
+        `window`: the layer's sliding window (None: full attention); a
+        backend without `supports_sliding_window` is never given one."""
 
 
 class TorchBackend(AttentionBackend):
@@ -119,6 +125,8 @@ class TorchBackend(AttentionBackend):
     uses_varlen_metadata = False
     supports_cuda_graphs = False
     fused_cpu_kv_write = True
+    # On its torch path: the runner gives a windowed model no C-kernel metadata.
+    supports_sliding_window = True
 
     @classmethod
     def unavailable_reason(
@@ -147,8 +155,9 @@ class TorchBackend(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return reference.paged_attention(query, key, value, key_cache, value_cache, metadata, scale)
+        return reference.paged_attention(query, key, value, key_cache, value_cache, metadata, scale, window)
 
 
 def _varlen(metadata: AttentionMetadata) -> VarlenMetadata:
@@ -214,6 +223,7 @@ class TritonBackend(_NHDTritonWriteBackend):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         v = _varlen(metadata)
         return self._attend(
@@ -283,6 +293,7 @@ class FlashAttnBackend(_NHDTritonWriteBackend):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         v = _varlen(metadata)
         return self._attend(

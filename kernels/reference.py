@@ -62,13 +62,19 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a mixed batch; `query` is `[T, heads, head_size]`,
     `key`/`value` the step's new `[T, kv_heads, head_size]` (already written
     to the cache). Returns `[T, heads, head_size]`. Decodes go to the C
     kernel when the metadata carries block tables (float32 CPU), and so do
     prefills when it carries their rows; else a gather + SDPA in torch,
-    which is the oracle."""
+    which is the oracle. `window`: a token at position p attends only to
+    positions p - window + 1 .. p (transformers' sliding window); only the
+    torch path takes one."""
+    assert window is None or not (metadata.uses_block_tables or metadata.prefill_seq_rows is not None), (
+        "the C attention kernels take no window"
+    )
     num_tokens, num_heads, head_size = query.shape
     kv_heads = value_cache.shape[2]
     out = torch.empty_like(query)
@@ -82,9 +88,11 @@ def paged_attention(
                 metadata.decode_seq_rows, metadata.decode_ctx_lens, scale,
             )
         else:
-            out[:num_decodes] = _decode(
-                query[:num_decodes], key_cache, flat_v, metadata.decode_kv_index, metadata.decode_mask, scale
-            )
+            mask = metadata.decode_mask
+            assert mask is not None
+            if window is not None:
+                mask = mask & _in_window(mask.sum(dim=-1), mask.shape[-1], window).view(mask.shape)
+            out[:num_decodes] = _decode(query[:num_decodes], key_cache, flat_v, metadata.decode_kv_index, mask, scale)
     if metadata.prefill_seq_rows is not None:
         assert metadata.block_tables is not None and metadata.prefill_ctx_lens is not None
         out[num_decodes:] = cpu_attention.paged_attention(
@@ -100,11 +108,28 @@ def paged_attention(
             k, v = gather_context(key_cache, value_cache, seq.block_ids, seq.context_len)
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
+        mask = seq.mask
+        if window is not None:
+            q_len = seq.q_end - seq.q_start
+            # Query i sits at position context_len - q_len + i and sees its window's keys.
+            ctx_lens = torch.arange(seq.context_len - q_len + 1, seq.context_len + 1, device=q.device)[:, None]
+            windowed = _in_window(ctx_lens, seq.context_len, window)
+            mask = windowed & (mask if mask is not None else _causal(q_len, q.device))
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         out[seq.q_start : seq.q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _in_window(ctx_lens: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """`[rows, num_keys]` bool: key j lies in the window of a query whose
+    context is `ctx_lens[row]` keys long (positions ctx - window .. ctx - 1)."""
+    return torch.arange(num_keys, device=ctx_lens.device)[None, :] >= ctx_lens.view(-1, 1) - window
+
+
+def _causal(q_len: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
 
 
 def _decode(

@@ -15,8 +15,12 @@ class Attention(nn.Module):
     by the model runner (`bind_kv_cache`) after it sizes the pool; before
     that the layer cannot run."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
+    ) -> None:
+        """`window`: a sliding window of that many keys (None: full attention)."""
         super().__init__()
+        self.window = window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -48,4 +52,4 @@ class Attention(nn.Module):
         assert backend is not None, "KV cache not bound"
         if not kv_written:
             backend.reshape_and_cache(k, v, self.key_cache, self.value_cache, metadata)
-        return backend.forward(q, k, v, self.key_cache, self.value_cache, metadata, self.scale)
+        return backend.forward(q, k, v, self.key_cache, self.value_cache, metadata, self.scale, self.window)

@@ -56,6 +56,7 @@ from rayvllm.model_executor.pooler import Pooler
 from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.model_executor.sampler import Sampler
 from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
+from rayvllm.models.honoured import layer_windows
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import build_model, iterate_weights
 
@@ -113,8 +114,16 @@ class ModelRunner:
         self.on_cpu = self.device.type == "cpu"
         # The persistent block table, shared (not copied) with the decode kernel.
         self.block_table_tensor = torch.from_numpy(self.input_batch.block_table)
+        # Sliding-window layers run on the torch path; the C kernels take no window.
+        windowed = any(w is not None for w in layer_windows(self.model_config.hf_config))
+        if windowed and not self.attn_backend.supports_sliding_window:
+            raise InvalidParameterError(
+                "attention_backend", f"the model has sliding-window layers, which the {self.attn_backend.name} "
+                "backend does not run yet; attention_backend='torch' does",
+            )
         self.use_c_decode = (
-            not self.attn_backend.uses_varlen_metadata
+            not windowed
+            and not self.attn_backend.uses_varlen_metadata
             and self.on_cpu
             and self.dtype == torch.float32
             and cpu_attention.supports(self.model_config.head_dim, self.block_size)

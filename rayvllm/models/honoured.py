@@ -1,7 +1,8 @@
 """What the Llama-shaped implementation (models/llama.py) honours of a
-config.json, and the refusal by name of every attribute it would otherwise
-ignore: a model whose config asks for something the layers do not do is
-refused at load, never served with wrong tokens.
+config.json (its layers' attention windows among it: `layer_windows`), and
+the refusal by name of every attribute it would otherwise ignore: a model
+whose config asks for something the layers do not do is refused at load,
+never served with wrong tokens.
 
 Each rule reads the config as transformers' own class for the model type
 does (its defaults included where they decide: Qwen2's window is off unless
@@ -20,32 +21,44 @@ HONOURED_ROPE_TYPES = (None, "default", "linear", "llama3")
 _WINDOW_BY_FLAG = ("qwen2", "qwen3")
 
 
-def _windowed_layers(cfg: dict[str, Any]) -> list[int]:
-    """The layers transformers would run with sliding-window attention."""
+# The kinds of `layer_types` entries, by whether the layer attends through a window.
+_LAYER_KINDS = {"full_attention": False, "sliding_attention": True}
+
+
+def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Each layer's attention window, as transformers reads the config
+    (None: full attention): a layer with a window of W keys attends to its
+    own position and the W - 1 before it. `layer_types` where given, else
+    `sliding_window` on every layer, or for Qwen2/Qwen3 only with
+    `use_sliding_window`, on the layers from `max_window_layers` on."""
+    num_layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
     if layer_types:
-        return [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    window = cfg.get("sliding_window")
-    if window is None:
-        return []
-    if cfg.get("model_type") in _WINDOW_BY_FLAG:
-        if not cfg.get("use_sliding_window", False):
-            return []
-        first = int(cfg.get("max_window_layers", cfg["num_hidden_layers"]))
-        return list(range(first, int(cfg["num_hidden_layers"])))
-    return list(range(int(cfg["num_hidden_layers"])))
+        unknown = sorted({kind for kind in layer_types if kind not in _LAYER_KINDS})
+        if unknown:
+            raise InvalidParameterError(
+                "model", f"config.json's layer_types holds {unknown}, which rayvllm does not implement"
+            )
+        windowed = [_LAYER_KINDS[kind] for kind in layer_types]
+    elif window is None or (cfg.get("model_type") in _WINDOW_BY_FLAG and not cfg.get("use_sliding_window", False)):
+        windowed = [False] * num_layers
+    elif cfg.get("model_type") in _WINDOW_BY_FLAG:
+        first = int(cfg.get("max_window_layers", num_layers))
+        windowed = [i >= first for i in range(num_layers)]
+    else:
+        windowed = [True] * num_layers
+    if any(windowed) and window is None:
+        raise InvalidParameterError(
+            "model", "config.json's layer_types names sliding_attention and sliding_window is unset"
+        )
+    return [int(window) if w else None for w in windowed]
 
 
 def unhonoured(cfg: dict[str, Any]) -> list[str]:
     """Each attribute of `cfg` the Llama-shaped layers would not honour,
     with its value."""
     found: list[str] = []
-    windowed = _windowed_layers(cfg)
-    if windowed:
-        found.append(
-            f"sliding_window={cfg.get('sliding_window')} (sliding-window attention on {len(windowed)} of "
-            f"{cfg['num_hidden_layers']} layers)"
-        )
     if cfg.get("hidden_act", "silu") != "silu":
         found.append(f"hidden_act={cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):

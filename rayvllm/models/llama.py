@@ -31,7 +31,7 @@ from rayvllm.layers.linear import Linear, RowParallelLinear
 from rayvllm.layers.rotary import RotaryEmbedding
 from rayvllm.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from rayvllm.messages.errors import InvalidParameterError
-from rayvllm.models.honoured import check_honoured
+from rayvllm.models.honoured import check_honoured, layer_windows
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -69,7 +69,8 @@ class LlamaAttention(nn.Module):
     and KV heads `[kv_head_start, +num_kv_heads)` of the checkpoint's."""
 
     def __init__(
-        self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext
+        self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
@@ -98,7 +99,7 @@ class LlamaAttention(nn.Module):
             cfg.get("rope_scaling") or cfg.get("rope_parameters"),
             dtype,
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
         self.use_c_kernels = False
         self.use_triton_kernels = False
 
@@ -161,11 +162,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext
+        self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext,
+        window: int | None = None,
     ) -> None:
+        """`window`: this layer's sliding window (None: full attention)."""
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, dtype, ctx)
+        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, dtype, ctx, window)
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"] // ctx.tp_size, ctx)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
@@ -213,9 +216,10 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias or bool(cfg.get("attention_bias", False))
         vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
         self.embed_tokens = VocabParallelEmbedding(vocab, hidden, ctx) if ctx.is_first_stage else None
+        windows = layer_windows(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx)
-            for _ in range(self.start_layer, self.end_layer)
+            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx, windows[i])
+            for i in range(self.start_layer, self.end_layer)
         )
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.norm: RMSNorm | None = None
