@@ -195,6 +195,7 @@ class TritonBackend(_NHDTritonWriteBackend):
     """Triton's varlen paged-attention kernel over the NHD caches."""
 
     name = "triton"
+    supports_sliding_window = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -237,6 +238,7 @@ class TritonBackend(_NHDTritonWriteBackend):
             max_seq_len=v.max_seq_len,
             scale=scale,
             layout=self.kv_layout,
+            window=window,
         )
 
 
@@ -321,8 +323,10 @@ def select_attention_backend(
     head_size: int,
     block_size: int,
     override: str = "auto",
+    windowed: bool = False,
 ) -> AttentionBackend:
-    """"auto": flash_attn on CUDA where it imports and supports the shapes,
+    """"auto": flash_attn on CUDA where it imports and supports the shapes
+    (and, for a model with sliding-window layers, `windowed`, the window),
     else triton on CUDA where it imports, else torch (always on the CPU).
     Any other name forces that backend, or raises an InvalidParameterError
     naming `attention_backend` and saying why it cannot run here."""
@@ -330,6 +334,8 @@ def select_attention_backend(
     if override == "auto":
         if device_type == "cuda":
             for candidate in (FlashAttnBackend, TritonBackend):
+                if windowed and not candidate.supports_sliding_window:
+                    continue
                 if candidate.unavailable_reason(device_type, dtype, head_size, block_size) is None:
                     return candidate()
         return TorchBackend()

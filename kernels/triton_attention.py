@@ -89,6 +89,7 @@ def _paged_attention_kernel(
     group,
     head_size,
     qk_scale,
+    window,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
@@ -104,9 +105,11 @@ def _paged_attention_kernel(
     - every key position < seq_lens[b] is in the cache already, position p at
       offset p % BLOCK_SIZE of block block_tables[b, p // BLOCK_SIZE];
     - `qk_scale` is the softmax scale times log2(e) (scores live in base 2).
-    A query at position p attends to keys 0..p. Entries of block_tables past a
-    sequence's last block, and cache slots past seq_lens[b], are never read, so
-    they may hold anything (garbage ids, NaN).
+    A query at position p attends to keys p - window + 1 .. p (at most 0..p:
+    `window` is a sliding window, or larger than any context). Entries of
+    block_tables past a sequence's last block, and cache slots past
+    seq_lens[b] or before the tile's first query's window, are never read,
+    so they may hold anything (garbage ids, NaN).
     With NUM_SPLITS > 1 nothing goes to `out`: row r of token t, head h,
     split s leaves its max (base 2) and sum at `split_*[(t * H + h) *
     NUM_SPLITS + s]` and its output at that index times HEAD_SIZE_PADDED."""
@@ -143,13 +146,15 @@ def _paged_attention_kernel(
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
-    # The last query of this tile sees keys up to its own position only.
+    # The last query of this tile sees keys up to its own position only, the
+    # first none before its window.
     kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_Q)
+    kv_first = tl.maximum(prefix_len + q_tile * BLOCK_Q - window + 1, 0)
     if NUM_SPLITS == 1:
-        kv_start = 0
+        kv_start = kv_first
     else:
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_start = split * split_len
+        split_len = tl.cdiv(tl.cdiv(kv_end - kv_first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = kv_first + split * split_len
         kv_end = tl.minimum(kv_end, kv_start + split_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -174,7 +179,8 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(col_valid[None, :] & (cols[None, :] <= q_pos[:, None]), s, float("-inf"))
+        visible = (cols[None, :] <= q_pos[:, None]) & (cols[None, :] > q_pos[:, None] - window)
+        s = tl.where(col_valid[None, :] & visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet (a padded row) keeps m = -inf; shifting
@@ -238,7 +244,7 @@ def _merge_splits_kernel(
         return
     part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(split_max_ptr + part)
-    # Split 0 always holds key 0, which every query sees: the max is finite.
+    # Some split holds the query's own position, which it always sees: the max is finite.
     m_all = tl.max(m, 0)
     weight = tl.math.exp2(m - m_all)
     total = tl.sum(tl.load(split_sum_ptr + part) * weight, 0)
@@ -290,6 +296,7 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` `[T, num_heads, head_size]` over the paged
     cache; returns (or fills `out`) `[T, num_heads, head_size]` in the query's
@@ -306,8 +313,11 @@ def paged_attention(
     sequence: their `out` rows are left untouched. `block_m`/`block_n`
     override the tile sizes (rows = queries x padded GQA group, and keys per
     step) and `num_splits` the split-KV count (a power of 2), for tuning and
-    tests."""
+    tests. `window`: a sliding window of that many keys (a query at
+    position p sees p - window + 1 .. p; None: every key up to p)."""
     block_size, num_kv_heads, head_size = cache_geometry(key_cache, value_cache, layout)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key cache {key_cache.dtype} and value cache {value_cache.dtype} differ in dtype")
     num_tokens, num_heads, q_head_size = query.shape
@@ -371,6 +381,8 @@ def paged_attention(
         group,
         head_size,
         scale * _LOG2E,
+        # No window: one past any position a context can reach (int32 on the device).
+        window if window is not None else 2**31 - 1,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         GROUP_PADDED=group_padded,

@@ -52,6 +52,9 @@ def test_auto_picks_by_device_and_availability(importable: dict[str, bool], monk
     assert type(_pick("cuda", block_size=16)) is TritonBackend  # flash-attn pages need 256
     assert type(_pick("cuda", dtype=torch.float32, block_size=256)) is TritonBackend  # flash-attn is half only
     assert type(_pick("cuda", block_size=256, head_size=80 + 4)) is TritonBackend
+    # A model with sliding-window layers skips a backend that takes no window.
+    windowed = select_attention_backend("cuda", BF16, 128, 256, "auto", windowed=True)
+    assert type(windowed) is TritonBackend and not FlashAttnBackend.supports_sliding_window
     importable["flash_attn"] = False
     assert type(_pick("cuda", block_size=256)) is TritonBackend
     importable["triton"] = False
@@ -137,6 +140,22 @@ def test_triton_backend_matches_torch_and_transformers(tiny_model_dir: Path) -> 
     _, prompts = _mixed_batch_prompts()
     for prompt, out in zip(prompts, tokens):
         assert out == hf_greedy(tiny_model_dir, prompt)[0][: len(out)]
+
+
+def test_triton_backend_runs_sliding_windows(tmp_path: Path) -> None:
+    """A Mistral whose 8-key window every prompt outruns: the Triton backend's
+    tokens equal the torch backend's and transformers', through prefix hits
+    and chunked prefill."""
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
+
+    model = build_random_model(tmp_path / "mistral", RandomModelSpec(arch="mistral", seed=13,
+                                                                     extra={"sliding_window": 8}))
+    tokens, llm = _engine_tokens(model, "triton")
+    assert llm.llm_engine.engine_core.engine_core.executor.runner.attn_backend.name == "triton"
+    assert tokens == _engine_tokens(model, "torch")[0]
+    _, prompts = _mixed_batch_prompts()
+    for prompt, out in zip(prompts, tokens):
+        assert out == hf_greedy(model, prompt)[0][: len(out)]
 
 
 def _stand_in_flash_attn(calls: list[dict]) -> types.ModuleType:

@@ -146,6 +146,7 @@ class Case:
     index_dtype: torch.dtype = torch.int32  # of seq_lens and block_tables
     max_query_len: int | None = None  # None: the true maximum
     num_splits: int | None = None  # None: the kernel's choice from max(seq_lens)
+    window: int | None = None  # a sliding window of that many keys
 
     def __str__(self) -> str:
         return self.name
@@ -198,6 +199,17 @@ CPU_CASES = [
     # The kernel's own choice: two sequences give 2 programs, so a 600-key
     # context splits in two (test_num_kv_splits_rule checks the count).
     Case("auto-split-decode-f32-gqa4", q_lens=(1, 1), seq_lens=(600, 300), heads=4, kv_heads=1),
+    # Sliding windows: shorter than some contexts and longer than others, a
+    # window of one key, windows starting mid-block and mid-tile, with splits.
+    Case("window-mixed-f32-bs8", **_MIXED_LENS, block_size=8, window=5),
+    Case("window-decode-bf16-nhd-gqa4", **_DECODE_LENS, dtype=BF16, layout=NHD, heads=8, window=12),
+    Case("window1-mixed-f16", **_MIXED_LENS, dtype=F16, window=1),
+    Case("window-chunked-f32-small-tiles", q_lens=(21, 2), seq_lens=(34, 2), block_m=16, block_n=16,
+         block_size=32, window=9),
+    Case("window-split4-decode-f32-bs8", q_lens=(1,) * 3, seq_lens=(150, 37, 5), block_size=8, block_n=16,
+         num_splits=4, window=40),
+    Case("window-split2-mixed-f16-nhd", q_lens=(1, 9, 0, 1), seq_lens=(70, 40, 5, 33), dtype=F16, layout=NHD,
+         head_size=128, block_m=16, block_n=16, num_splits=2, window=17),
 ]
 
 GPU_CASES = [
@@ -238,6 +250,10 @@ GPU_CASES = [
     ),
     Case("gpu-split16-f32-d128", q_lens=(1,) * 2, seq_lens=(30000, 3000), heads=8, kv_heads=2, head_size=128,
          num_splits=16),
+    Case(
+        "gpu-window-mixed-bf16-d128", q_lens=(1,) * 16 + (700, 64), seq_lens=_ragged(16, 1, 9000, 6) + (700, 5000),
+        dtype=BF16, layout=NHD, heads=32, kv_heads=8, head_size=128, window=4096,
+    ),
 ]
 
 CASES = CPU_CASES + (GPU_CASES if ON_GPU else [])
@@ -300,7 +316,10 @@ def _oracle(case: Case, batch: PagedBatch, scale: float) -> torch.Tensor:
             k, v = reference.gather_context(batch.split_key_cache, batch.value_cache, block_ids, n)
             q = batch.query[start : start + q_len].float().transpose(0, 1)[None]
             k, v = k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None]
-            allowed = torch.arange(n, device=DEVICE)[None, :] <= torch.arange(n - q_len, n, device=DEVICE)[:, None]
+            keys, positions = torch.arange(n, device=DEVICE)[None, :], torch.arange(n - q_len, n, device=DEVICE)[:, None]
+            allowed = keys <= positions
+            if case.window is not None:
+                allowed &= keys > positions - case.window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
             out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
@@ -330,6 +349,7 @@ def test_paged_attention_matches_reference(case: Case) -> None:
         block_m=case.block_m,
         block_n=case.block_n,
         num_splits=case.num_splits,
+        window=case.window,
     )
     assert result is out
     assert torch.isnan(out_storage[..., case.head_size :]).all()

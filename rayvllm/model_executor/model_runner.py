@@ -108,18 +108,18 @@ class ModelRunner:
         # A pooling runner returns vectors and never computes logits.
         pooler_config = self.model_config.pooler_config
         self.pooler = Pooler(pooler_config) if pooler_config is not None else None
+        # Sliding-window layers need a backend that takes a window (the C kernels take none).
+        windowed = any(w is not None for w in layer_windows(self.model_config.hf_config))
         self.attn_backend = select_attention_backend(
-            self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend
+            self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend, windowed
         )
         self.on_cpu = self.device.type == "cpu"
         # The persistent block table, shared (not copied) with the decode kernel.
         self.block_table_tensor = torch.from_numpy(self.input_batch.block_table)
-        # Sliding-window layers run on the torch path; the C kernels take no window.
-        windowed = any(w is not None for w in layer_windows(self.model_config.hf_config))
         if windowed and not self.attn_backend.supports_sliding_window:
             raise InvalidParameterError(
                 "attention_backend", f"the model has sliding-window layers, which the {self.attn_backend.name} "
-                "backend does not run yet; attention_backend='torch' does",
+                "backend does not run yet; the torch and triton backends do",
             )
         self.use_c_decode = (
             not windowed
