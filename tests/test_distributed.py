@@ -33,6 +33,10 @@ SPECS = {
     "llama-mqa": RandomModelSpec(arch="llama", num_attention_heads=4, num_key_value_heads=1, seed=23),
     # Sliding-window attention on every layer, 8 keys: every prompt runs past it.
     "mistral-window": RandomModelSpec(arch="mistral", seed=24, extra={"sliding_window": 8}),
+    "granite": RandomModelSpec(
+        arch="granite", seed=25, extra={"embedding_multiplier": 6.0, "attention_multiplier": 0.0625,
+                                        "residual_multiplier": 0.4, "logits_scaling": 4.0},
+    ),
 }
 
 # 17 blocks of 16 tokens (the floor for max_model_len=256) per DP rank; 8 sequences of up
@@ -82,6 +86,7 @@ def _single_process(model_dir: Path) -> list[list[int]]:
         # TP=2 x PP=2 on qwen3-gqa-tied: test_shutdown_leaves_nothing_behind.
         ("llama-mqa", dict(tensor_parallel_size=2)),
         ("mistral-window", dict(tensor_parallel_size=2)),
+        ("granite", dict(tensor_parallel_size=2)),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(
         "async" if k == "async_scheduling" else f"{k.split('_')[0]}{n}" for k, n in v.items()

@@ -39,6 +39,12 @@ SPECS = {
         arch="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         tie_word_embeddings=True, seed=5,
     ),
+    # Granite's scalings, far from 1 so that a missed one changes the tokens.
+    "granite": RandomModelSpec(
+        arch="granite", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, seed=7,
+        extra={"embedding_multiplier": 6.0, "attention_multiplier": 0.0625, "residual_multiplier": 0.4,
+               "logits_scaling": 4.0},
+    ),
     "qwen3-mha-sharded": RandomModelSpec(
         arch="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, seed=6,
         max_shard_size="1MB",
@@ -81,7 +87,7 @@ def test_greedy_parity_default(parity_models: dict[str, Path], name: str) -> Non
                 assert abs(entry[tok].logprob - val) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-gqa-tied"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-gqa-tied", "granite"])
 def test_greedy_parity_chunked_prefill(parity_models: dict[str, Path], name: str) -> None:
     model_dir = parity_models[name]
     llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=16, max_num_seqs=8)

@@ -16,6 +16,7 @@ norms and computes logits, the others take and return (hidden, residual).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -70,8 +71,9 @@ class LlamaAttention(nn.Module):
 
     def __init__(
         self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext,
-        window: int | None = None,
+        window: int | None = None, scale: float | None = None,
     ) -> None:
+        """`scale`: the softmax scale (None: 1 / sqrt(head_dim))."""
         super().__init__()
         hidden = cfg["hidden_size"]
         total_heads = cfg["num_attention_heads"]
@@ -99,7 +101,8 @@ class LlamaAttention(nn.Module):
             cfg.get("rope_scaling") or cfg.get("rope_parameters"),
             dtype,
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
+        scale = self.head_dim**-0.5 if scale is None else scale
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window)
         self.use_c_kernels = False
         self.use_triton_kernels = False
 
@@ -163,12 +166,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, cfg: dict, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype, ctx: ParallelContext,
-        window: int | None = None,
+        window: int | None = None, multipliers: "Multipliers | None" = None,
     ) -> None:
-        """`window`: this layer's sliding window (None: full attention)."""
+        """`window`: this layer's sliding window (None: full attention);
+        `multipliers`: Granite's scalings (None: Llama's, all 1)."""
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, dtype, ctx, window)
+        scale = multipliers.attention if multipliers is not None else None
+        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, dtype, ctx, window, scale)
+        # Each sublayer's output is scaled before it joins the residual stream.
+        self.residual_multiplier = multipliers.residual if multipliers is not None else 1.0
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"] // ctx.tp_size, ctx)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
@@ -186,8 +193,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_with_residual(x, residual)
         x = self.self_attn(positions, x, metadata)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -201,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # Granite's four scalings (config.json's *_multiplier, logits_scaling).
+    has_multipliers = False
 
     def __init__(
         self, cfg: dict, dtype: torch.dtype, parallel: ParallelContext | None = None, with_lm_head: bool = True
@@ -217,8 +231,9 @@ class LlamaForCausalLM(nn.Module):
         vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
         self.embed_tokens = VocabParallelEmbedding(vocab, hidden, ctx) if ctx.is_first_stage else None
         windows = layer_windows(cfg)
+        self.multipliers = Multipliers.of(cfg) if self.has_multipliers else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx, windows[i])
+            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx, windows[i], self.multipliers)
             for i in range(self.start_layer, self.end_layer)
         )
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -270,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
         """`input_ids` on the first stage, `intermediate` (hidden, residual) on the others."""
         if self.embed_tokens is not None:
             x, residual = self.embed_tokens(input_ids), None
+            if self.multipliers is not None and self.multipliers.embedding != 1.0:
+                x = x * self.multipliers.embedding
         else:
             assert intermediate is not None
             x, residual = intermediate
@@ -285,7 +302,10 @@ class LlamaForCausalLM(nn.Module):
         """Full-vocabulary float32 logits on the driver rank; None elsewhere.
         Every TP rank of the last stage must call it (it gathers)."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if logits is not None and self.multipliers is not None and self.multipliers.logits_scaling != 1.0:
+            logits = logits / self.multipliers.logits_scaling
+        return logits
 
     # ---- weights -----------------------------------------------------------------
 
@@ -408,6 +428,30 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    has_multipliers = True
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """Granite's scalings: embeddings times `embedding`, the softmax scale
+    `attention` (instead of 1 / sqrt(head_dim)), each sublayer's output
+    times `residual` before it joins the residual stream, and the logits
+    divided by `logits_scaling`."""
+
+    embedding: float
+    attention: float
+    residual: float
+    logits_scaling: float
+
+    @staticmethod
+    def of(cfg: dict) -> "Multipliers":
+        return Multipliers(
+            float(cfg.get("embedding_multiplier", 1.0)), float(cfg.get("attention_multiplier", 1.0)),
+            float(cfg.get("residual_multiplier", 1.0)), float(cfg.get("logits_scaling", 1.0)),
+        )
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -112,7 +112,7 @@ def build_tokenizer(path: str | Path, vocab_size: int, seed: int = 0) -> None:
 
 @dataclass
 class RandomModelSpec:
-    """Shape of a random model; `arch` is one of llama, mistral, qwen2, qwen3."""
+    """Shape of a random model; `arch` is one of granite, llama, mistral, qwen2, qwen3."""
 
     arch: str = "llama"
     vocab_size: int = 4096
@@ -157,6 +157,8 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
         common["rope_scaling"] = spec.rope_scaling
     if spec.arch == "llama":
         return transformers.LlamaConfig(**common)
+    if spec.arch == "granite":
+        return transformers.GraniteConfig(**common)
     if spec.arch == "mistral":
         # transformers' default window is 4,096 keys: none unless `extra` sets one.
         return transformers.MistralConfig(**{"sliding_window": None, **common})
@@ -164,7 +166,7 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
         return transformers.Qwen2Config(**{"use_sliding_window": False, **common})
     if spec.arch == "qwen3":
         return transformers.Qwen3Config(**{"use_sliding_window": False, **common})
-    raise ValueError(f"unknown arch {spec.arch!r}; expected llama, mistral, qwen2 or qwen3")
+    raise ValueError(f"unknown arch {spec.arch!r}; expected granite, llama, mistral, qwen2 or qwen3")
 
 
 def build_random_model(path: str | Path, spec: RandomModelSpec) -> Path:
