@@ -33,6 +33,7 @@ SPECS = {
     "llama-mqa": RandomModelSpec(arch="llama", num_attention_heads=4, num_key_value_heads=1, seed=23),
     # Sliding-window attention on every layer, 8 keys: every prompt runs past it.
     "mistral-window": RandomModelSpec(arch="mistral", seed=24, extra={"sliding_window": 8}),
+    "phi3": RandomModelSpec(arch="phi3", seed=26),
     "granite": RandomModelSpec(
         arch="granite", seed=25, extra={"embedding_multiplier": 6.0, "attention_multiplier": 0.0625,
                                         "residual_multiplier": 0.4, "logits_scaling": 4.0},
@@ -87,6 +88,8 @@ def _single_process(model_dir: Path) -> list[list[int]]:
         ("llama-mqa", dict(tensor_parallel_size=2)),
         ("mistral-window", dict(tensor_parallel_size=2)),
         ("granite", dict(tensor_parallel_size=2)),
+        # Each rank slices its heads out of the checkpoint's fused q/k/v.
+        ("phi3", dict(tensor_parallel_size=2)),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(
         "async" if k == "async_scheduling" else f"{k.split('_')[0]}{n}" for k, n in v.items()

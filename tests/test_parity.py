@@ -45,6 +45,8 @@ SPECS = {
         extra={"embedding_multiplier": 6.0, "attention_multiplier": 0.0625, "residual_multiplier": 0.4,
                "logits_scaling": 4.0},
     ),
+    # Phi-3: its checkpoint fuses q/k/v and gate/up.
+    "phi3": RandomModelSpec(arch="phi3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, seed=8),
     "qwen3-mha-sharded": RandomModelSpec(
         arch="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, seed=6,
         max_shard_size="1MB",

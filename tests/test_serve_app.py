@@ -400,7 +400,9 @@ def _http_sync(weights: dict[str, Any]) -> None:
     info = WeightUpdateInfo.of(weights)
     update = {"update_info": {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes}}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(requests.post, f"{BASE_URL}/init_weight_transfer_engine", json=init, headers=ADMIN, timeout=120)
+        joined = pool.submit(
+            requests.post, f"{BASE_URL}/init_weight_transfer_engine", json=init, headers=ADMIN, timeout=120
+        )
         group = TransferGroup("gloo", "127.0.0.1", port, 0, 2)
         assert joined.result().status_code == 200
         assert requests.post(f"{BASE_URL}/start_weight_update", headers=ADMIN, timeout=60).status_code == 200
@@ -467,7 +469,8 @@ def test_a_weight_transfer_group_that_never_forms_holds_no_request(server: Serve
     from rayvllm.utils.network import free_port
 
     replicas = server.descendant_pids("ray::ServeReplica")
-    expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    expected = offline.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     port = free_port()
     init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "world_size": 3, "timeout_s": 120}}

@@ -1,6 +1,6 @@
 """Sliding-window attention, exact against transformers (float32, CPU):
-Mistral with a window on every layer, Qwen2 with `use_sliding_window` on
-the layers from `max_window_layers` on. The window (8 keys) is far shorter
+Mistral and Phi-3 with a window on every layer, Qwen2 with
+`use_sliding_window` on the layers from `max_window_layers` on. The window (8 keys) is far shorter
 than the prompts plus the 24 tokens generated, so every prompt runs past
 it; through the whole engine, with chunked prefill and prefix-cache hits
 (before this, a windowed Mistral was served with full attention: 0 of 4
@@ -21,6 +21,8 @@ from hf_oracle import NUM_NEW, hf_greedy
 WINDOW = 8
 SPECS = {
     "mistral": RandomModelSpec(arch="mistral", seed=11, extra={"sliding_window": WINDOW}),
+    # Phi-3-mini's checkpoints ship a window (2,047 keys) on every layer.
+    "phi3": RandomModelSpec(arch="phi3", seed=14, extra={"sliding_window": WINDOW}),
     "qwen2": RandomModelSpec(
         arch="qwen2", seed=12, num_hidden_layers=3,
         extra={"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},

@@ -206,7 +206,7 @@ CPU_CASES = [
     Case("window1-mixed-f16", **_MIXED_LENS, dtype=F16, window=1),
     Case("window-chunked-f32-small-tiles", q_lens=(21, 2), seq_lens=(34, 2), block_m=16, block_n=16,
          block_size=32, window=9),
-    Case("window-split4-decode-f32-bs8", q_lens=(1,) * 3, seq_lens=(150, 37, 5), block_size=8, block_n=16,
+    Case("window-decode-split4-f32-bs8", q_lens=(1,) * 3, seq_lens=(150, 37, 5), block_size=8, block_n=16,
          num_splits=4, window=40),
     Case("window-split2-mixed-f16-nhd", q_lens=(1, 9, 0, 1), seq_lens=(70, 40, 5, 33), dtype=F16, layout=NHD,
          head_size=128, block_m=16, block_n=16, num_splits=2, window=17),
@@ -316,7 +316,8 @@ def _oracle(case: Case, batch: PagedBatch, scale: float) -> torch.Tensor:
             k, v = reference.gather_context(batch.split_key_cache, batch.value_cache, block_ids, n)
             q = batch.query[start : start + q_len].float().transpose(0, 1)[None]
             k, v = k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None]
-            keys, positions = torch.arange(n, device=DEVICE)[None, :], torch.arange(n - q_len, n, device=DEVICE)[:, None]
+            keys = torch.arange(n, device=DEVICE)[None, :]
+            positions = torch.arange(n - q_len, n, device=DEVICE)[:, None]
             allowed = keys <= positions
             if case.window is not None:
                 allowed &= keys > positions - case.window

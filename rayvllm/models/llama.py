@@ -320,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
     def _load_into(self, params: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`load_weights` into `params` (our name -> its tensor); returns the names loaded."""
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.unfused(weights):
             local = self._local_name(name)
             if local is None:
                 continue
@@ -340,6 +340,12 @@ class LlamaForCausalLM(nn.Module):
                     param[rows[0] : rows[0] + rows[2]].copy_(tensor[rows[1] : rows[1] + rows[2]])
             loaded.add(target)
         return loaded
+
+    def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under Llama's names (q/k/v_proj,
+        gate/up_proj), which `shard_of` slices per rank; a family whose
+        checkpoint fuses projections splits them here."""
+        return weights
 
     def _local_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as this stage's parameters name it
@@ -432,6 +438,25 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     has_multipliers = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: Llama's layers, its checkpoint's q/k/v and gate/up fused."""
+
+    def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        cfg = self.cfg
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        q_rows, kv_rows = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
+        for name, tensor in weights:
+            if name.endswith("self_attn.qkv_proj.weight"):
+                q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+                yield from ((name.replace("qkv_proj", p), t) for p, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+            elif name.endswith("mlp.gate_up_proj.weight"):
+                gate, up = tensor.chunk(2)
+                yield from ((name.replace("gate_up_proj", p), t) for p, t in (("gate_proj", gate), ("up_proj", up)))
+            else:
+                yield name, tensor
 
 
 @dataclass(frozen=True)

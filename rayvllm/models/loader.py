@@ -14,12 +14,15 @@ from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.kernels import cpu_ops
 from rayvllm.kernels.backends import fused_gpu_kernels_apply
 from rayvllm.messages.errors import InvalidParameterError
-from rayvllm.models.llama import GraniteForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from rayvllm.models.llama import (
+    GraniteForCausalLM, LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+)
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

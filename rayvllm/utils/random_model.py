@@ -112,7 +112,7 @@ def build_tokenizer(path: str | Path, vocab_size: int, seed: int = 0) -> None:
 
 @dataclass
 class RandomModelSpec:
-    """Shape of a random model; `arch` is one of granite, llama, mistral, qwen2, qwen3."""
+    """Shape of a random model; `arch` is one of granite, llama, mistral, phi3, qwen2, qwen3."""
 
     arch: str = "llama"
     vocab_size: int = 4096
@@ -159,6 +159,9 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
         return transformers.LlamaConfig(**common)
     if spec.arch == "granite":
         return transformers.GraniteConfig(**common)
+    if spec.arch == "phi3":
+        # Phi-3's default pad id (32,000) lies past a small vocabulary.
+        return transformers.Phi3Config(**{"pad_token_id": 0, **common})
     if spec.arch == "mistral":
         # transformers' default window is 4,096 keys: none unless `extra` sets one.
         return transformers.MistralConfig(**{"sliding_window": None, **common})
@@ -166,7 +169,7 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
         return transformers.Qwen2Config(**{"use_sliding_window": False, **common})
     if spec.arch == "qwen3":
         return transformers.Qwen3Config(**{"use_sliding_window": False, **common})
-    raise ValueError(f"unknown arch {spec.arch!r}; expected granite, llama, mistral, qwen2 or qwen3")
+    raise ValueError(f"unknown arch {spec.arch!r}; expected granite, llama, mistral, phi3, qwen2 or qwen3")
 
 
 def build_random_model(path: str | Path, spec: RandomModelSpec) -> Path:
