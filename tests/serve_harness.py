@@ -8,6 +8,7 @@ shipped serve_config.yaml (on a free port) with their apps added."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -36,6 +37,8 @@ def _builder() -> ModuleType:
     return serve_builder
 
 START_TIMEOUT_S = 240.0
+# What Ray's `ray.init` raises when its new node's raylet did not register in time.
+RAY_NODE_START_TIMEOUT = "The current node timed out during startup"
 
 # Ports named at import (a module's server URL) and bound here until their
 # server starts: meanwhile no other process is handed one as an ephemeral
@@ -92,16 +95,34 @@ class ServeProcess:
         # A local cluster of its own: without RAY_ADDRESS, `ray.init` joins
         # the cluster named in /tmp/ray/ray_current_cluster, which any
         # `ray start` or `ray.cluster_utils.Cluster` on the machine writes.
-        env = os.environ | {"RAY_ADDRESS": "local"} | (env or {})
+        self._argv, self._env = argv, os.environ | {"RAY_ADDRESS": "local"} | (env or {})
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        self._restarted = False
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self._argv, cwd=REPO, env=self._env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
             # A runner started in the background ignores SIGINT, and Python
             # then never installs its KeyboardInterrupt handler: `serve run`
             # would not shut down on Ctrl-C.
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
+
+    def _restart_after_ray_start_timeout(self) -> bool:
+        """Once: start the server again when Ray's own node start timed out
+        (its raylet has 30 s to register, which two cluster starts side by
+        side on a loaded 2-core machine can miss); any other exit stands."""
+        if self._restarted or RAY_NODE_START_TIMEOUT not in self.log_tail():
+            return False
+        self._restarted = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what the failed start left of its cluster
+        self.proc.wait()
+        self.proc = self._start()
+        return True
 
     def wait_ready(self, headers: dict[str, str] | None = None, base_url: str | None = None) -> None:
         """Until /health answers 200 and the model is listed (at `base_url`,
@@ -110,7 +131,7 @@ class ServeProcess:
         base_url = base_url or self.base_url
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None and not self._restart_after_ray_start_timeout():
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 health = requests.get(f"{base_url}/health", timeout=5)
