@@ -125,7 +125,6 @@ class TorchBackend(AttentionBackend):
     uses_varlen_metadata = False
     supports_cuda_graphs = False
     fused_cpu_kv_write = True
-    # On its torch path: the runner gives a windowed model no C-kernel metadata.
     supports_sliding_window = True
 
     @classmethod

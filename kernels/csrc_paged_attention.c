@@ -10,8 +10,12 @@
  * Layout: q/out [T, H, D]; keys [num_blocks, KVH, D, block_size]; values
  * [num_blocks, block_size, KVH, D];
  * block_tables [rows, bt_stride] (int64); token t uses block-table row
- * seq_rows[t] and attends to keys 0 .. ctx_lens[t]-1.
- * Work is split over threads by runs of tokens balanced on context length.
+ * seq_rows[t] and attends to keys 0 .. ctx_lens[t]-1, or with a sliding
+ * window of W keys (window > 0) to keys ctx_lens[t]-W .. ctx_lens[t]-1 only.
+ * A windowed token starts at the block holding its window's first key and
+ * reads nothing before it: the blocks before may have been freed (their
+ * entries in the block table then name blocks that other sequences own).
+ * Work is split over threads by runs of tokens balanced on keys read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +34,7 @@ typedef struct {
     const int64_t *seq_rows;
     const int64_t *ctx_lens;
     int64_t H, KVH, D, bs;
+    int64_t window; /* keys a token sees; 0: all of its context */
     float scale;
     int64_t t_begin, t_end;
     int64_t max_ctx;
@@ -56,6 +61,11 @@ static void softmax_rows(float *scores, int64_t heads, int64_t stride, int64_t c
     }
 }
 
+/* The first key token t sees: its window's first, or 0. */
+static inline int64_t first_key(const job_t *j, int64_t ctx) {
+    return j->window > 0 && ctx > j->window ? ctx - j->window : 0;
+}
+
 /* Inlined once per common head size (with the default block size) so that
  * loops over D and the block have compile-time trip counts. D must be a
  * multiple of 4 and the block size at most MAX_BLOCK. */
@@ -67,8 +77,10 @@ static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64
     float *scores = (float *)malloc(sizeof(float) * H * max_ctx);
     float *acc = (float *)malloc(sizeof(float) * H * D);
     for (int64_t t = j->t_begin; t < j->t_end; t++) {
-        const int64_t ctx = j->ctx_lens[t];
-        const int64_t *bt = j->block_tables + j->seq_rows[t] * j->bt_stride;
+        const int64_t first = first_key(j, j->ctx_lens[t]), base = first / bs * bs;
+        /* Positions from `base` (the first key's block start) on, scores indexed from there. */
+        const int64_t ctx = j->ctx_lens[t] - base, lead = first - base;
+        const int64_t *bt = j->block_tables + j->seq_rows[t] * j->bt_stride + base / bs;
         const float *qt = j->q + t * H * D;
         /* Pass 1: scores a block at a time. Keys are [KVH][D][bs] per block, so
          * a head's scores for the block's positions accumulate as vectors over
@@ -90,10 +102,10 @@ static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64
                     s[i] = ((part[0][i] + part[1][i]) + (part[2][i] + part[3][i])) * j->scale;
             }
         }
-        softmax_rows(scores, H, max_ctx, ctx);
+        softmax_rows(scores + lead, H, max_ctx, ctx - lead);
         /* Pass 2: weighted sum of values, accumulated per head in L1. */
         memset(acc, 0, sizeof(float) * H * D);
-        for (int64_t p = 0; p < ctx; p++) {
+        for (int64_t p = lead; p < ctx; p++) {
             const float *v = j->vc + (bt[p / bs] * bs + p % bs) * row;
             for (int64_t h = 0; h < H; h++) {
                 const float w = scores[h * max_ctx + p];
@@ -261,8 +273,10 @@ static void run_bs16(job_t *j) {
     const int64_t stride = ((j->max_ctx > 0 ? j->max_ctx : 1) + 15) / 16 * 16;
     float *scores = (float *)malloc(sizeof(float) * H * stride);
     for (int64_t t = j->t_begin; t < j->t_end; t++) {
-        const int64_t ctx = j->ctx_lens[t];
-        const int64_t *bt = j->block_tables + j->seq_rows[t] * j->bt_stride;
+        const int64_t first = first_key(j, j->ctx_lens[t]), base = first / 16 * 16;
+        /* Positions from `base` (the first key's block start) on, scores indexed from there. */
+        const int64_t ctx = j->ctx_lens[t] - base, lead = first - base;
+        const int64_t *bt = j->block_tables + j->seq_rows[t] * j->bt_stride + base / 16;
         const float *qt = j->q + t * H * D;
         for (int64_t b = 0; b * 16 < ctx; b++) {
             const float *kb = j->kc + bt[b] * KVH * D * 16;
@@ -275,7 +289,9 @@ static void run_bs16(job_t *j) {
                 h += gh;
             }
         }
-        softmax_rows(scores, H, stride, ctx);
+        softmax_rows(scores + lead, H, stride, ctx - lead);
+        /* The block's keys before the window weigh nothing in the value pass. */
+        for (int64_t h = 0; h < H; h++) memset(scores + h * stride, 0, sizeof(float) * lead);
         for (int64_t h = 0; h < H;) {
             const int64_t left = span - h % span;
             const int gh = (int)(left < P2_HEADS ? left : P2_HEADS);
@@ -301,14 +317,18 @@ static void run(job_t *j) {
 int paged_attention_decode_f32(const float *q, float *out, const float *kc, const float *vc,
                                const int64_t *block_tables, int64_t bt_stride,
                                const int64_t *seq_rows, const int64_t *ctx_lens, int64_t T,
-                               int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
-                               int num_threads) {
+                               int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                               float scale, int num_threads) {
     if (num_threads < 1) num_threads = 1;
     if (num_threads > 64) num_threads = 64;
+    /* Keys each token reads, from its first key's block start: the scores' extent. */
+    int64_t *reads = (int64_t *)malloc(sizeof(int64_t) * (T > 0 ? T : 1));
     int64_t total = 0, max_ctx = 0;
     for (int64_t t = 0; t < T; t++) {
-        total += ctx_lens[t];
-        if (ctx_lens[t] > max_ctx) max_ctx = ctx_lens[t];
+        const int64_t first = window > 0 && ctx_lens[t] > window ? ctx_lens[t] - window : 0;
+        reads[t] = ctx_lens[t] - first / bs * bs;
+        total += reads[t];
+        if (reads[t] > max_ctx) max_ctx = reads[t];
     }
     /* Contiguous runs of tokens with roughly equal key counts, one per thread.
      * OpenMP, not pthreads: linked by soname, this shares torch's libgomp and
@@ -318,13 +338,14 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
     int64_t t = 0, done = 0;
     for (int w = 0; w < num_threads; w++) {
         const int64_t target = total * (w + 1) / num_threads;
-        while (t < T && (w == num_threads - 1 || done < target)) done += ctx_lens[t++];
+        while (t < T && (w == num_threads - 1 || done < target)) done += reads[t++];
         bounds[w + 1] = t;
     }
+    free(reads);
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
     for (int w = 0; w < num_threads; w++) {
         job_t job = {q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
-                     bs, scale, bounds[w], bounds[w + 1], max_ctx};
+                     bs, window, scale, bounds[w], bounds[w + 1], max_ctx};
         if (job.t_begin < job.t_end) run(&job);
     }
     return 0;
@@ -340,6 +361,8 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
  * where decode shares them among the heads of a KV group. A run scores up to
  * its longest context; each row is soft-maxed over its own and its weights
  * past it are zeroed, so the run sums values up to its longest context.
+ * With a window, a run starts at the block of its earliest row's first key,
+ * and each row's weights before its own first key are zeroed too.
  * Block size 16 and head size a multiple of 16 only (returns -1 otherwise). */
 /* Rows per run of the prefill score pass: each key vector load feeds this
  * many FMAs per block; the accumulators (two blocks' worth per row, in
@@ -403,9 +426,16 @@ static void pair_scores_run(const float *k0, const float *k1, const float *q, in
 
 static void prefill_run(const job_t *j, int64_t t0, int64_t rows, int64_t h, float *scores, int64_t stride) {
     const int64_t H = j->H, G = j->H / j->KVH, D = j->D, KVH = j->KVH;
-    const int64_t *bt = j->block_tables + j->seq_rows[t0] * j->bt_stride;
-    int64_t ctx = 0;
-    for (int64_t i = 0; i < rows; i++) ctx = j->ctx_lens[t0 + i] > ctx ? j->ctx_lens[t0 + i] : ctx;
+    /* From the block of the run's earliest window start on, positions indexed from there. */
+    int64_t ctx = 0, first = j->ctx_lens[t0];
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t own = j->ctx_lens[t0 + i], own_first = first_key(j, own);
+        ctx = own > ctx ? own : ctx;
+        first = own_first < first ? own_first : first;
+    }
+    const int64_t base = first / 16 * 16;
+    ctx -= base;
+    const int64_t *bt = j->block_tables + j->seq_rows[t0] * j->bt_stride + base / 16;
     const float *q = j->q + t0 * H * D + h * D;
     const int64_t blocks = (ctx + 15) / 16;
     for (int64_t b = 0; b < blocks; b += 2) {
@@ -415,9 +445,13 @@ static void prefill_run(const job_t *j, int64_t t0, int64_t rows, int64_t h, flo
         pair_scores_run(k0, k1, q, H * D, D, scores + b * 16, stride, j->scale, (int)rows);
     }
     for (int64_t i = 0; i < rows; i++) {
-        const int64_t own = j->ctx_lens[t0 + i];
-        softmax_rows(scores + i * stride, 1, stride, own);
-        for (int64_t p = own; p < ctx; p++) scores[i * stride + p] = 0.f;
+        /* Each row soft-maxed over its own keys exactly as the decode kernel
+         * does it (the same extent, from its window's first key), zero elsewhere. */
+        const int64_t own_first = first_key(j, j->ctx_lens[t0 + i]) - base, own = j->ctx_lens[t0 + i] - base;
+        float *s = scores + i * stride;
+        softmax_rows(s + own_first, 1, stride, own - own_first);
+        memset(s, 0, sizeof(float) * own_first);
+        for (int64_t p = own; p < ctx; p++) s[p] = 0.f;
     }
     for (int64_t i = 0; i < rows; i += P2_HEADS) {
         const int gh = (int)(rows - i < P2_HEADS ? rows - i : P2_HEADS);
@@ -432,8 +466,8 @@ static void prefill_run(const job_t *j, int64_t t0, int64_t rows, int64_t h, flo
 int paged_attention_prefill_f32(const float *q, float *out, const float *kc, const float *vc,
                                 const int64_t *block_tables, int64_t bt_stride,
                                 const int64_t *seq_rows, const int64_t *ctx_lens, int64_t T,
-                                int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
-                                int num_threads) {
+                                int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                                float scale, int num_threads) {
     if (bs != 16 || D % 16 != 0) return -1;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > 64) num_threads = 64;
@@ -448,7 +482,7 @@ int paged_attention_prefill_f32(const float *q, float *out, const float *kc, con
     /* Room for whole pairs of blocks. */
     const int64_t stride = (max_ctx + 31) / 32 * 32;
     const job_t job = {q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
-                       bs, scale, 0, T, max_ctx};
+                       bs, window, scale, 0, T, max_ctx};
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = (float *)malloc(sizeof(float) * PF_ROWS * stride);

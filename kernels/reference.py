@@ -70,11 +70,7 @@ def paged_attention(
     kernel when the metadata carries block tables (float32 CPU), and so do
     prefills when it carries their rows; else a gather + SDPA in torch,
     which is the oracle. `window`: a token at position p attends only to
-    positions p - window + 1 .. p (transformers' sliding window); only the
-    torch path takes one."""
-    assert window is None or not (metadata.uses_block_tables or metadata.prefill_seq_rows is not None), (
-        "the C attention kernels take no window"
-    )
+    positions p - window + 1 .. p (transformers' sliding window)."""
     num_tokens, num_heads, head_size = query.shape
     kv_heads = value_cache.shape[2]
     out = torch.empty_like(query)
@@ -85,7 +81,7 @@ def paged_attention(
         if metadata.uses_block_tables:
             out[:num_decodes] = cpu_attention.paged_attention(
                 query[:num_decodes], key_cache, value_cache, metadata.block_tables,
-                metadata.decode_seq_rows, metadata.decode_ctx_lens, scale,
+                metadata.decode_seq_rows, metadata.decode_ctx_lens, scale, window=window,
             )
         else:
             mask = metadata.decode_mask
@@ -97,7 +93,7 @@ def paged_attention(
         assert metadata.block_tables is not None and metadata.prefill_ctx_lens is not None
         out[num_decodes:] = cpu_attention.paged_attention(
             query[num_decodes:], key_cache, value_cache, metadata.block_tables,
-            metadata.prefill_seq_rows, metadata.prefill_ctx_lens, scale, prefill=True,
+            metadata.prefill_seq_rows, metadata.prefill_ctx_lens, scale, prefill=True, window=window,
         )
     for seq in metadata.prefills:
         q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]

@@ -72,3 +72,17 @@ def test_gemm_bench_names_its_cpu_and_plan(script_env: dict[str, str]) -> None:
     assert [r[1] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head", "step"] * 2
     candidates = gemm_select.available_candidates()
     assert all(r[-2] in candidates for r in rows if r[1] != "step")
+
+
+def test_window_decode_bench_table(script_env: dict[str, str], tmp_path: Path) -> None:
+    """bench/window_decode.py (issue 59): both models at both contexts, the
+    target line, and the JSON's ratio from the windowed model's medians."""
+    out_json = tmp_path / "window.json"
+    out = _run([str(BENCH / "window_decode.py"), "--window", "32", "--batch", "2", "--steps", "2",
+                "--warmup-steps", "1", "--repeats", "1", "--json-out", str(out_json)], script_env)
+    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["windowed"], ["full"])]
+    assert rows == [["windowed", "32"], ["windowed", "128"], ["full", "32"], ["full", "128"]]
+    assert "target: windowed decode at context 128 no slower than at 32:" in out
+    summary = json.loads(out_json.read_text())
+    windowed = summary["step_ms"]["windowed"]
+    assert summary["ratio"] == pytest.approx(windowed["128"][0] / windowed["32"][0])

@@ -27,13 +27,19 @@ def _random_cache(num_blocks: int, block_size: int, kv_heads: int, head_size: in
     return keys, torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
 
 
-def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int):
-    """q [q, H, D], k/v [L, KVH, D]; query j sees keys <= causal_offset + j."""
+def _dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int, window: int | None = None
+):
+    """q [q, H, D], k/v [L, KVH, D]; query j sees keys <= causal_offset + j
+    (and with a window of W, only the W up to there)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    allowed = torch.arange(k.shape[0])[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
+    last = (causal_offset + torch.arange(q.shape[0]))[:, None]
+    allowed = torch.arange(k.shape[0])[None, :] <= last
+    if window is not None:
+        allowed &= torch.arange(k.shape[0])[None, :] > last - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
@@ -41,7 +47,13 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size,head_size", [(16, 32), (16, 48), (16, 128), (8, 48), (4, 64)])
-def test_c_decode_kernel_matches_reference(isa: str, heads: int, kv_heads: int, block_size: int, head_size: int) -> None:
+@pytest.mark.parametrize("window", [None, 21])
+def test_c_decode_kernel_matches_reference(
+    isa: str, heads: int, kv_heads: int, block_size: int, head_size: int, window: int | None
+) -> None:
+    """Against dense attention; with a window, every block-table entry
+    before a token's first key names block 0, which is all NaN (a freed
+    block may hold anything): the kernel must not read it."""
     _require(isa, cpu_attention.available)
     gen = torch.Generator().manual_seed(heads * 1000 + block_size * 10 + head_size)
     num_blocks, max_blocks, num_seqs = 64, 12, 7
@@ -52,27 +64,34 @@ def test_c_decode_kernel_matches_reference(isa: str, heads: int, kv_heads: int, 
     lens_by_token = ctx_lens[rows].contiguous()
     q = torch.randn(num_seqs, heads, head_size, generator=gen)
     scale = head_size**-0.5
+    read_tables = block_tables.clone()
+    if window is not None:
+        k_cache[0], v_cache[0] = float("nan"), float("nan")
+        for seq in range(num_seqs):
+            read_tables[seq, : max(0, int(ctx_lens[seq]) - window) // block_size] = 0
     out = cpu_attention.paged_attention(
-        q, k_cache, v_cache, block_tables, rows.contiguous(), lens_by_token, scale, isa=isa
+        q, k_cache, v_cache, read_tables, rows.contiguous(), lens_by_token, scale, isa=isa, window=window
     )
     flat_v = v_cache.view(-1, kv_heads, head_size)
     for t in range(num_seqs):
         n = int(lens_by_token[t])
         pos = torch.arange(n)
         slots = block_tables[rows[t], pos // block_size] * block_size + pos % block_size
-        expected = _dense_attention(q[t : t + 1], gather_keys(k_cache, slots), flat_v[slots], scale, n - 1)
+        expected = _dense_attention(q[t : t + 1], gather_keys(k_cache, slots), flat_v[slots], scale, n - 1, window)
         torch.testing.assert_close(out[t : t + 1], expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads", [(6, 6), (8, 2), (4, 1)])
 @pytest.mark.parametrize("head_size", [16, 48, 128])
-def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, head_size: int) -> None:
+@pytest.mark.parametrize("window", [None, 21])
+def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, head_size: int, window: int | None) -> None:
     """Prefills of several sequences (fresh, over a cached prefix, one token,
     runs that end mid-block) through the prefill kernel, read from a cache
     whose unwritten slots are NaN, against dense causal attention and bit
     for bit against the decode kernel; through `paged_attention` too, whose
-    metadata sends the prefill rows there."""
+    metadata sends the prefill rows there. With a window, the block-table
+    entries before a sequence's first query's first key name block 0 (NaN)."""
     _require(isa, cpu_attention.available)
     block_size = 16
     gen = torch.Generator().manual_seed(heads * 100 + head_size)
@@ -93,22 +112,26 @@ def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, hea
         k = torch.randn(total, kv_heads, head_size, generator=gen)
         v = torch.randn(total, kv_heads, head_size, generator=gen)
         reshape_and_cache(k, v, k_cache, v_cache, block_tables[i, pos // block_size] * block_size + pos % block_size)
+        if window is not None:
+            block_tables[i, : max(0, cached + 1 - window) // block_size] = 0
         q = torch.randn(new, heads, head_size, generator=gen)
         queries.append(q)
         rows += [i] * new
         lens.append(torch.arange(cached + 1, total + 1))
-        expected.append(_dense_attention(q, k, v, scale, cached))
+        expected.append(_dense_attention(q, k, v, scale, cached, window))
     q, seq_rows, ctx_lens = torch.cat(queries), torch.tensor(rows), torch.cat(lens)
     out = cpu_attention.paged_attention(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa,
-                                        prefill=True)
+                                        prefill=True, window=window)
     torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=1e-4)
     # The same bits as the decode kernel's, token by token (batch-invariant mode relies on it).
-    decode = cpu_attention.paged_attention(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa)
+    decode = cpu_attention.paged_attention(
+        q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa, window=window
+    )
     assert torch.equal(out, decode)
     if isa == selected_isa():
         md = AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.int64), num_decode_tokens=0, prefills=[],
                                block_tables=block_tables, prefill_seq_rows=seq_rows, prefill_ctx_lens=ctx_lens)
-        through = paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, md, scale)
+        through = paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, md, scale, window)
         torch.testing.assert_close(through, torch.cat(expected), atol=2e-5, rtol=1e-4)
 
 

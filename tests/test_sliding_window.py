@@ -4,7 +4,8 @@ Mistral and Phi-3 with a window on every layer, Qwen2 with
 than the prompts plus the 24 tokens generated, so every prompt runs past
 it; through the whole engine, with chunked prefill and prefix-cache hits
 (before this, a windowed Mistral was served with full attention: 0 of 4
-prompts matched transformers)."""
+prompts matched transformers). On float32 CPU the decodes (and on AVX-512
+the prefills) run in the C attention kernels, which start at the window."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rayvllm import LLM, SamplingParams
+from rayvllm.kernels import cpu_attention
 from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW, hf_greedy
@@ -56,6 +58,9 @@ def test_windowed_greedy_parity(windowed_models: dict[str, Path], name: str, mod
         engine.update(enable_prefix_caching=True)
     llm = LLM(model=str(model), **engine)
     try:
+        runner = llm.llm_engine.engine_core.engine_core.executor.runner
+        # Windowed layers take the C attention kernels wherever the shape does.
+        assert runner.use_c_decode == cpu_attention.supports(runner.model_config.head_dim, runner.block_size)
         if mode == "prefix_cached":
             llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # caches the shared blocks
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)

@@ -108,7 +108,7 @@ class ModelRunner:
         # A pooling runner returns vectors and never computes logits.
         pooler_config = self.model_config.pooler_config
         self.pooler = Pooler(pooler_config) if pooler_config is not None else None
-        # Sliding-window layers need a backend that takes a window (the C kernels take none).
+        # Sliding-window layers need a backend that takes a window.
         windowed = any(w is not None for w in layer_windows(self.model_config.hf_config))
         self.attn_backend = select_attention_backend(
             self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend, windowed
@@ -122,8 +122,7 @@ class ModelRunner:
                 "backend does not run yet; the torch and triton backends do",
             )
         self.use_c_decode = (
-            not windowed
-            and not self.attn_backend.uses_varlen_metadata
+            not self.attn_backend.uses_varlen_metadata
             and self.on_cpu
             and self.dtype == torch.float32
             and cpu_attention.supports(self.model_config.head_dim, self.block_size)
