@@ -72,9 +72,11 @@ class AttentionBackend(ABC):
     # The model may store K/V itself with the fused float32 CPU RoPE +
     # cache-write kernel (which writes the SPLIT layout).
     fused_cpu_kv_write: ClassVar[bool]
-    # `forward` takes a layer's sliding window (the runner refuses a
-    # windowed model on a backend without it).
+    # `forward` takes a layer's sliding window, and a soft cap on its
+    # attention logits (the runner refuses a model that needs either on a
+    # backend without it).
     supports_sliding_window: ClassVar[bool] = False
+    supports_softcap: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -110,10 +112,13 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """`key`/`value` are the step's new K/V, already stored in the cache.
         `window`: the layer's sliding window (None: full attention); a
-        backend without `supports_sliding_window` is never given one."""
+        backend without `supports_sliding_window` is never given one.
+        `softcap` c: each scaled score s counts as c * tanh(s / c) (None:
+        as it is); only a backend with `supports_softcap` is given one."""
 
 
 class TorchBackend(AttentionBackend):
@@ -126,6 +131,7 @@ class TorchBackend(AttentionBackend):
     supports_cuda_graphs = False
     fused_cpu_kv_write = True
     supports_sliding_window = True
+    supports_softcap = True
 
     @classmethod
     def unavailable_reason(
@@ -155,8 +161,9 @@ class TorchBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return reference.paged_attention(query, key, value, key_cache, value_cache, metadata, scale, window)
+        return reference.paged_attention(query, key, value, key_cache, value_cache, metadata, scale, window, softcap)
 
 
 def _varlen(metadata: AttentionMetadata) -> VarlenMetadata:
@@ -195,6 +202,7 @@ class TritonBackend(_NHDTritonWriteBackend):
 
     name = "triton"
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -224,6 +232,7 @@ class TritonBackend(_NHDTritonWriteBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         v = _varlen(metadata)
         return self._attend(
@@ -238,6 +247,7 @@ class TritonBackend(_NHDTritonWriteBackend):
             scale=scale,
             layout=self.kv_layout,
             window=window,
+            softcap=softcap,
         )
 
 
@@ -295,6 +305,7 @@ class FlashAttnBackend(_NHDTritonWriteBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         v = _varlen(metadata)
         return self._attend(
@@ -323,9 +334,11 @@ def select_attention_backend(
     block_size: int,
     override: str = "auto",
     windowed: bool = False,
+    softcapped: bool = False,
 ) -> AttentionBackend:
     """"auto": flash_attn on CUDA where it imports and supports the shapes
-    (and, for a model with sliding-window layers, `windowed`, the window),
+    (and, for a model with sliding-window layers, `windowed`, the window;
+    for one with capped attention logits, `softcapped`, the cap),
     else triton on CUDA where it imports, else torch (always on the CPU).
     Any other name forces that backend, or raises an InvalidParameterError
     naming `attention_backend` and saying why it cannot run here."""
@@ -333,7 +346,9 @@ def select_attention_backend(
     if override == "auto":
         if device_type == "cuda":
             for candidate in (FlashAttnBackend, TritonBackend):
-                if windowed and not candidate.supports_sliding_window:
+                if (windowed and not candidate.supports_sliding_window) or (
+                    softcapped and not candidate.supports_softcap
+                ):
                     continue
                 if candidate.unavailable_reason(device_type, dtype, head_size, block_size) is None:
                     return candidate()

@@ -25,7 +25,7 @@ def _library(isa: str | None = None) -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.paged_attention_decode_f32, lib.paged_attention_prefill_f32):
-        fn.argtypes = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ptr] * 5 + [i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
     return lib
 
@@ -58,11 +58,13 @@ def paged_attention(
     isa: str | None = None,
     prefill: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query `[T, H, D]` float32, one query token per row; token t attends to
     keys `0 .. ctx_lens[t]-1` of block-table row `seq_rows[t]` (with a
     `window` of W keys, to `ctx_lens[t]-W .. ctx_lens[t]-1` only, and no
-    block before its first key is read: it may have been freed). The decode
+    block before its first key is read: it may have been freed); with a
+    `softcap` c, each scaled score s counts as c * tanh(s / c). The decode
     kernel takes tokens in any order; with `prefill`, the prefill kernel
     (only where `supports_prefill`) takes the tokens of prefills, each
     sequence's consecutive, so that runs of them share every key and value
@@ -81,7 +83,8 @@ def paged_attention(
     code = getattr(lib, name)(
         query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_rows.data_ptr(), ctx_lens.data_ptr(),
-        num_tokens, num_heads, kv_heads, head_size, block_size, window or 0, scale, torch.get_num_threads(),
+        num_tokens, num_heads, kv_heads, head_size, block_size, window or 0, softcap or 0.0, scale,
+        torch.get_num_threads(),
     )
     assert code == 0, f"{name}: unsupported shape (block size {block_size}, head size {head_size})"
     return out

@@ -15,6 +15,8 @@
  * A windowed token starts at the block holding its window's first key and
  * reads nothing before it: the blocks before may have been freed (their
  * entries in the block table then name blocks that other sequences own).
+ * With a soft cap c > 0 (Gemma 2's attention logits), each scaled score s
+ * becomes c * tanh(s / c) before the soft-max.
  * Work is split over threads by runs of tokens balanced on keys read.
  */
 #include <math.h>
@@ -35,10 +37,26 @@ typedef struct {
     const int64_t *ctx_lens;
     int64_t H, KVH, D, bs;
     int64_t window; /* keys a token sees; 0: all of its context */
+    float softcap;  /* 0: none */
     float scale;
     int64_t t_begin, t_end;
     int64_t max_ctx;
 } job_t;
+
+/* Each of `heads` rows of `scores` (stride `stride`): its first `ctx`
+ * entries s capped to cap * tanh(s / cap) in place (nothing when cap is 0).
+ * tanh from exp_nonpos (a loop that vectorises): tanh|x| = (1 - e) / (1 + e),
+ * e = exp(-2|x|). */
+static void softcap_rows(float *scores, int64_t heads, int64_t stride, int64_t ctx, float cap) {
+    if (cap <= 0.f) return;
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * stride;
+        for (int64_t p = 0; p < ctx; p++) {
+            const float x = s[p] / cap, e = exp_nonpos(-2.f * fabsf(x)), t = (1.f - e) / (1.f + e);
+            s[p] = cap * (x < 0.f ? -t : t);
+        }
+    }
+}
 
 /* Each of `heads` rows of `scores` (stride `stride`): soft-max of its first
  * `ctx` entries in place, max-subtracted. */
@@ -102,6 +120,7 @@ static inline __attribute__((always_inline)) void run_impl(job_t *j, const int64
                     s[i] = ((part[0][i] + part[1][i]) + (part[2][i] + part[3][i])) * j->scale;
             }
         }
+        softcap_rows(scores + lead, H, max_ctx, ctx - lead, j->softcap);
         softmax_rows(scores + lead, H, max_ctx, ctx - lead);
         /* Pass 2: weighted sum of values, accumulated per head in L1. */
         memset(acc, 0, sizeof(float) * H * D);
@@ -289,6 +308,7 @@ static void run_bs16(job_t *j) {
                 h += gh;
             }
         }
+        softcap_rows(scores + lead, H, stride, ctx - lead, j->softcap);
         softmax_rows(scores + lead, H, stride, ctx - lead);
         /* The block's keys before the window weigh nothing in the value pass. */
         for (int64_t h = 0; h < H; h++) memset(scores + h * stride, 0, sizeof(float) * lead);
@@ -318,7 +338,7 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
                                const int64_t *block_tables, int64_t bt_stride,
                                const int64_t *seq_rows, const int64_t *ctx_lens, int64_t T,
                                int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                               float scale, int num_threads) {
+                               float softcap, float scale, int num_threads) {
     if (num_threads < 1) num_threads = 1;
     if (num_threads > 64) num_threads = 64;
     /* Keys each token reads, from its first key's block start: the scores' extent. */
@@ -345,7 +365,7 @@ int paged_attention_decode_f32(const float *q, float *out, const float *kc, cons
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
     for (int w = 0; w < num_threads; w++) {
         job_t job = {q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
-                     bs, window, scale, bounds[w], bounds[w + 1], max_ctx};
+                     bs, window, softcap, scale, bounds[w], bounds[w + 1], max_ctx};
         if (job.t_begin < job.t_end) run(&job);
     }
     return 0;
@@ -449,6 +469,7 @@ static void prefill_run(const job_t *j, int64_t t0, int64_t rows, int64_t h, flo
          * does it (the same extent, from its window's first key), zero elsewhere. */
         const int64_t own_first = first_key(j, j->ctx_lens[t0 + i]) - base, own = j->ctx_lens[t0 + i] - base;
         float *s = scores + i * stride;
+        softcap_rows(s + own_first, 1, stride, own - own_first, j->softcap);
         softmax_rows(s + own_first, 1, stride, own - own_first);
         memset(s, 0, sizeof(float) * own_first);
         for (int64_t p = own; p < ctx; p++) s[p] = 0.f;
@@ -467,7 +488,7 @@ int paged_attention_prefill_f32(const float *q, float *out, const float *kc, con
                                 const int64_t *block_tables, int64_t bt_stride,
                                 const int64_t *seq_rows, const int64_t *ctx_lens, int64_t T,
                                 int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                                float scale, int num_threads) {
+                                float softcap, float scale, int num_threads) {
     if (bs != 16 || D % 16 != 0) return -1;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > 64) num_threads = 64;
@@ -482,7 +503,7 @@ int paged_attention_prefill_f32(const float *q, float *out, const float *kc, con
     /* Room for whole pairs of blocks. */
     const int64_t stride = (max_ctx + 31) / 32 * 32;
     const job_t job = {q, out, kc, vc, block_tables, bt_stride, seq_rows, ctx_lens, H, KVH, D,
-                       bs, window, scale, 0, T, max_ctx};
+                       bs, window, softcap, scale, 0, T, max_ctx};
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = (float *)malloc(sizeof(float) * PF_ROWS * stride);

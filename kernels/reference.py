@@ -63,6 +63,7 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for a mixed batch; `query` is `[T, heads, head_size]`,
     `key`/`value` the step's new `[T, kv_heads, head_size]` (already written
@@ -70,7 +71,8 @@ def paged_attention(
     kernel when the metadata carries block tables (float32 CPU), and so do
     prefills when it carries their rows; else a gather + SDPA in torch,
     which is the oracle. `window`: a token at position p attends only to
-    positions p - window + 1 .. p (transformers' sliding window)."""
+    positions p - window + 1 .. p (transformers' sliding window).
+    `softcap` c: each scaled score s counts as c * tanh(s / c) (Gemma 2)."""
     num_tokens, num_heads, head_size = query.shape
     kv_heads = value_cache.shape[2]
     out = torch.empty_like(query)
@@ -81,19 +83,22 @@ def paged_attention(
         if metadata.uses_block_tables:
             out[:num_decodes] = cpu_attention.paged_attention(
                 query[:num_decodes], key_cache, value_cache, metadata.block_tables,
-                metadata.decode_seq_rows, metadata.decode_ctx_lens, scale, window=window,
+                metadata.decode_seq_rows, metadata.decode_ctx_lens, scale, window=window, softcap=softcap,
             )
         else:
             mask = metadata.decode_mask
             assert mask is not None
             if window is not None:
                 mask = mask & _in_window(mask.sum(dim=-1), mask.shape[-1], window).view(mask.shape)
-            out[:num_decodes] = _decode(query[:num_decodes], key_cache, flat_v, metadata.decode_kv_index, mask, scale)
+            out[:num_decodes] = _decode(
+                query[:num_decodes], key_cache, flat_v, metadata.decode_kv_index, mask, scale, softcap
+            )
     if metadata.prefill_seq_rows is not None:
         assert metadata.block_tables is not None and metadata.prefill_ctx_lens is not None
         out[num_decodes:] = cpu_attention.paged_attention(
             query[num_decodes:], key_cache, value_cache, metadata.block_tables,
             metadata.prefill_seq_rows, metadata.prefill_ctx_lens, scale, prefill=True, window=window,
+            softcap=softcap,
         )
     for seq in metadata.prefills:
         q = query[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -105,17 +110,32 @@ def paged_attention(
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
         mask = seq.mask
+        if mask is None and softcap is not None:
+            mask = _causal(seq.q_end - seq.q_start, q.device)
         if window is not None:
             q_len = seq.q_end - seq.q_start
             # Query i sits at position context_len - q_len + i and sees its window's keys.
             ctx_lens = torch.arange(seq.context_len - q_len + 1, seq.context_len + 1, device=q.device)[:, None]
             windowed = _in_window(ctx_lens, seq.context_len, window)
             mask = windowed & (mask if mask is not None else _causal(q_len, q.device))
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+        else:
+            group = q.shape[1] // k.shape[1]
+            o = _capped_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask, scale, softcap)
         out[seq.q_start : seq.q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with soft-capped logits, in transformers' arithmetic (SDPA
+    has no cap): q `[..., q, D]`, k/v `[..., L, D]`, `mask` True = attend."""
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
 def _in_window(ctx_lens: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
@@ -135,6 +155,7 @@ def _decode(
     kv_index: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = query.shape
     kv_heads = flat_v.shape[1]
@@ -147,5 +168,8 @@ def _decode(
     pad = ~mask.view(num_seqs, -1, 1, 1)
     k = gather_keys(key_cache, kv_index).masked_fill_(pad, 0.0).transpose(1, 2)  # [B, kvh, L, D]
     v = flat_v[kv_index].masked_fill_(pad, 0.0).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        o = _capped_attention(q, k, v, mask, scale, softcap)
     return o.reshape(num_seqs, num_heads, head_size)

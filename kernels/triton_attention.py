@@ -90,6 +90,7 @@ def _paged_attention_kernel(
     head_size,
     qk_scale,
     window,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
@@ -98,13 +99,16 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Invariants the caller guarantees (none is checked on the device):
     - sequence b's queries are rows [query_start_loc[b], query_start_loc[b+1])
       of q, at positions seq_lens[b] - q_len_b + i, and q_len_b <= seq_lens[b];
     - every key position < seq_lens[b] is in the cache already, position p at
       offset p % BLOCK_SIZE of block block_tables[b, p // BLOCK_SIZE];
-    - `qk_scale` is the softmax scale times log2(e) (scores live in base 2).
+    - `qk_scale` is the softmax scale times log2(e) (scores live in base 2);
+      with SOFTCAP, the plain scale: a score s is capped in natural units,
+      softcap * tanh(s / softcap), then taken to base 2.
     A query at position p attends to keys p - window + 1 .. p (at most 0..p:
     `window` is a sliding window, or larger than any context). Entries of
     block_tables past a sequence's last block, and cache slots past
@@ -179,6 +183,9 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            # tanh(x) = 2 sigmoid(2x) - 1 (the interpreter and every backend have sigmoid).
+            s = (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * (softcap * 1.4426950408889634)
         visible = (cols[None, :] <= q_pos[:, None]) & (cols[None, :] > q_pos[:, None] - window)
         s = tl.where(col_valid[None, :] & visible, s, float("-inf"))
 
@@ -297,6 +304,7 @@ def paged_attention(
     block_n: int | None = None,
     num_splits: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` `[T, num_heads, head_size]` over the paged
     cache; returns (or fills `out`) `[T, num_heads, head_size]` in the query's
@@ -314,7 +322,8 @@ def paged_attention(
     override the tile sizes (rows = queries x padded GQA group, and keys per
     step) and `num_splits` the split-KV count (a power of 2), for tuning and
     tests. `window`: a sliding window of that many keys (a query at
-    position p sees p - window + 1 .. p; None: every key up to p)."""
+    position p sees p - window + 1 .. p; None: every key up to p).
+    `softcap` c: each scaled score s counts as c * tanh(s / c)."""
     block_size, num_kv_heads, head_size = cache_geometry(key_cache, value_cache, layout)
     if window is not None and window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
@@ -380,9 +389,10 @@ def paged_attention(
         num_seqs,
         group,
         head_size,
-        scale * _LOG2E,
+        scale if softcap else scale * _LOG2E,
         # No window: one past any position a context can reach (int32 on the device).
         window if window is not None else 2**31 - 1,
+        softcap or 1.0,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         GROUP_PADDED=group_padded,
@@ -393,6 +403,7 @@ def paged_attention(
         # fp32 reference; half types ignore this setting.
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits,
+        SOFTCAP=bool(softcap),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

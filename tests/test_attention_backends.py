@@ -55,6 +55,9 @@ def test_auto_picks_by_device_and_availability(importable: dict[str, bool], monk
     # A model with sliding-window layers skips a backend that takes no window.
     windowed = select_attention_backend("cuda", BF16, 128, 256, "auto", windowed=True)
     assert type(windowed) is TritonBackend and not FlashAttnBackend.supports_sliding_window
+    # So does one with soft-capped attention logits (Gemma 2) a backend that does not cap.
+    capped = select_attention_backend("cuda", BF16, 128, 256, "auto", softcapped=True)
+    assert type(capped) is TritonBackend and not FlashAttnBackend.supports_softcap
     importable["flash_attn"] = False
     assert type(_pick("cuda", block_size=256)) is TritonBackend
     importable["triton"] = False
@@ -142,14 +145,19 @@ def test_triton_backend_matches_torch_and_transformers(tiny_model_dir: Path) -> 
         assert out == hf_greedy(tiny_model_dir, prompt)[0][: len(out)]
 
 
-def test_triton_backend_runs_sliding_windows(tmp_path: Path) -> None:
-    """A Mistral whose 8-key window every prompt outruns: the Triton backend's
-    tokens equal the torch backend's and transformers', through prefix hits
-    and chunked prefill."""
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_triton_backend_runs_sliding_windows(tmp_path: Path, arch: str) -> None:
+    """A Mistral whose 8-key window every prompt outruns, and a Gemma 2
+    (local layers between global ones, soft-capped attention logits): the
+    Triton backend's tokens equal the torch backend's and transformers',
+    through prefix hits and chunked prefill."""
     from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
-    model = build_random_model(tmp_path / "mistral", RandomModelSpec(arch="mistral", seed=13,
-                                                                     extra={"sliding_window": 8}))
+    extra = {"sliding_window": 8}
+    if arch == "gemma2":
+        extra.update(attn_logit_softcapping=1.0, query_pre_attn_scalar=24)
+    model = build_random_model(tmp_path / arch, RandomModelSpec(arch=arch, seed=13, num_hidden_layers=3,
+                                                                head_dim=32, extra=extra))
     tokens, llm = _engine_tokens(model, "triton")
     assert llm.llm_engine.engine_core.engine_core.executor.runner.attn_backend.name == "triton"
     assert tokens == _engine_tokens(model, "torch")[0]

@@ -34,6 +34,14 @@ SPECS = {
     # Sliding-window attention on every layer, 8 keys: every prompt runs past it.
     "mistral-window": RandomModelSpec(arch="mistral", seed=24, extra={"sliding_window": 8}),
     "phi3": RandomModelSpec(arch="phi3", seed=26),
+    # Gemma 2: local layers between global ones, soft caps that bite; Gemma 3: q/k norms, two RoPE bases.
+    "gemma2": RandomModelSpec(
+        arch="gemma2", seed=27, num_hidden_layers=3, extra={"sliding_window": 8, "query_pre_attn_scalar": 24,
+                                                           "attn_logit_softcapping": 1.0}),
+    "gemma3": RandomModelSpec(
+        arch="gemma3", seed=28, num_hidden_layers=3, rope_theta=1e6,
+        extra={"sliding_window": 8, "query_pre_attn_scalar": 24, "rope_local_base_freq": 10000.0,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     "granite": RandomModelSpec(
         arch="granite", seed=25, extra={"embedding_multiplier": 6.0, "attention_multiplier": 0.0625,
                                         "residual_multiplier": 0.4, "logits_scaling": 4.0},
@@ -90,6 +98,8 @@ def _single_process(model_dir: Path) -> list[list[int]]:
         ("granite", dict(tensor_parallel_size=2)),
         # Each rank slices its heads out of the checkpoint's fused q/k/v.
         ("phi3", dict(tensor_parallel_size=2)),
+        ("gemma2", dict(tensor_parallel_size=2)),
+        ("gemma3", dict(tensor_parallel_size=2)),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(
         "async" if k == "async_scheduling" else f"{k.split('_')[0]}{n}" for k, n in v.items()

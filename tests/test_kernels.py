@@ -28,14 +28,18 @@ def _random_cache(num_blocks: int, block_size: int, kv_heads: int, head_size: in
 
 
 def _dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int, window: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int, window: int | None = None,
+    softcap: float | None = None,
 ):
     """q [q, H, D], k/v [L, KVH, D]; query j sees keys <= causal_offset + j
-    (and with a window of W, only the W up to there)."""
+    (and with a window of W, only the W up to there); scores capped to
+    softcap * tanh(s / softcap) when given."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     last = (causal_offset + torch.arange(q.shape[0]))[:, None]
     allowed = torch.arange(k.shape[0])[None, :] <= last
     if window is not None:
@@ -47,13 +51,14 @@ def _dense_attention(
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size,head_size", [(16, 32), (16, 48), (16, 128), (8, 48), (4, 64)])
-@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("window,softcap", [(None, None), (21, None), (21, 0.7)])
 def test_c_decode_kernel_matches_reference(
-    isa: str, heads: int, kv_heads: int, block_size: int, head_size: int, window: int | None
+    isa: str, heads: int, kv_heads: int, block_size: int, head_size: int, window: int | None, softcap: float | None
 ) -> None:
     """Against dense attention; with a window, every block-table entry
     before a token's first key names block 0, which is all NaN (a freed
-    block may hold anything): the kernel must not read it."""
+    block may hold anything): the kernel must not read it. A soft cap
+    below the scores' spread, so that it bites."""
     _require(isa, cpu_attention.available)
     gen = torch.Generator().manual_seed(heads * 1000 + block_size * 10 + head_size)
     num_blocks, max_blocks, num_seqs = 64, 12, 7
@@ -70,22 +75,25 @@ def test_c_decode_kernel_matches_reference(
         for seq in range(num_seqs):
             read_tables[seq, : max(0, int(ctx_lens[seq]) - window) // block_size] = 0
     out = cpu_attention.paged_attention(
-        q, k_cache, v_cache, read_tables, rows.contiguous(), lens_by_token, scale, isa=isa, window=window
+        q, k_cache, v_cache, read_tables, rows.contiguous(), lens_by_token, scale, isa=isa, window=window,
+        softcap=softcap,
     )
     flat_v = v_cache.view(-1, kv_heads, head_size)
     for t in range(num_seqs):
         n = int(lens_by_token[t])
         pos = torch.arange(n)
         slots = block_tables[rows[t], pos // block_size] * block_size + pos % block_size
-        expected = _dense_attention(q[t : t + 1], gather_keys(k_cache, slots), flat_v[slots], scale, n - 1, window)
+        expected = _dense_attention(q[t : t + 1], gather_keys(k_cache, slots), flat_v[slots], scale, n - 1, window, softcap)
         torch.testing.assert_close(out[t : t + 1], expected, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads", [(6, 6), (8, 2), (4, 1)])
 @pytest.mark.parametrize("head_size", [16, 48, 128])
-@pytest.mark.parametrize("window", [None, 21])
-def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, head_size: int, window: int | None) -> None:
+@pytest.mark.parametrize("window,softcap", [(None, None), (21, None), (21, 0.7)])
+def test_c_prefill_kernel_matches_dense(
+    isa: str, heads: int, kv_heads: int, head_size: int, window: int | None, softcap: float | None
+) -> None:
     """Prefills of several sequences (fresh, over a cached prefix, one token,
     runs that end mid-block) through the prefill kernel, read from a cache
     whose unwritten slots are NaN, against dense causal attention and bit
@@ -118,20 +126,20 @@ def test_c_prefill_kernel_matches_dense(isa: str, heads: int, kv_heads: int, hea
         queries.append(q)
         rows += [i] * new
         lens.append(torch.arange(cached + 1, total + 1))
-        expected.append(_dense_attention(q, k, v, scale, cached, window))
+        expected.append(_dense_attention(q, k, v, scale, cached, window, softcap))
     q, seq_rows, ctx_lens = torch.cat(queries), torch.tensor(rows), torch.cat(lens)
     out = cpu_attention.paged_attention(q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa,
-                                        prefill=True, window=window)
+                                        prefill=True, window=window, softcap=softcap)
     torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=1e-4)
     # The same bits as the decode kernel's, token by token (batch-invariant mode relies on it).
     decode = cpu_attention.paged_attention(
-        q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa, window=window
+        q, k_cache, v_cache, block_tables, seq_rows, ctx_lens, scale, isa=isa, window=window, softcap=softcap
     )
     assert torch.equal(out, decode)
     if isa == selected_isa():
         md = AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.int64), num_decode_tokens=0, prefills=[],
                                block_tables=block_tables, prefill_seq_rows=seq_rows, prefill_ctx_lens=ctx_lens)
-        through = paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, md, scale, window)
+        through = paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, md, scale, window, softcap)
         torch.testing.assert_close(through, torch.cat(expected), atol=2e-5, rtol=1e-4)
 
 
@@ -149,9 +157,11 @@ def test_prefill_kernel_shapes_and_isa(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("use_c", [False, True])
-def test_reference_mixed_batch_matches_dense(use_c: bool) -> None:
+@pytest.mark.parametrize("softcap", [None, 0.7])
+def test_reference_mixed_batch_matches_dense(use_c: bool, softcap: float | None) -> None:
     """Decodes plus a fresh prefill plus a prefill over a cached prefix, through
-    reshape_and_cache and paged_attention, against dense attention."""
+    reshape_and_cache and paged_attention, against dense attention (with
+    soft-capped scores too: torch's path computes them itself, SDPA has no cap)."""
     if use_c and not cpu_attention.available():
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(7)
@@ -204,10 +214,10 @@ def test_reference_mixed_batch_matches_dense(use_c: bool) -> None:
     scale = head_size**-0.5
     reshape_and_cache(new_k, new_v, k_cache, v_cache, slot_mapping)
     out = torch.full_like(q, float("nan"))
-    out.copy_(paged_attention(q, new_k, new_v, k_cache, v_cache, md, scale))
+    out.copy_(paged_attention(q, new_k, new_v, k_cache, v_cache, md, scale, softcap=softcap))
     start = 0
     for i, (cached, new) in enumerate(seqs):
-        expected = _dense_attention(q[start : start + new], full_k[i], full_v[i], scale, cached)
+        expected = _dense_attention(q[start : start + new], full_k[i], full_v[i], scale, cached, softcap=softcap)
         torch.testing.assert_close(out[start : start + new], expected, atol=2e-5, rtol=1e-4)
         start += new
 

@@ -29,8 +29,22 @@ SPECS = {
         arch="qwen2", seed=12, num_hidden_layers=3,
         extra={"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
     ),
+    # Gemma 2: local layers between global ones, soft caps low enough to
+    # bite, a softmax scale that is not 1 / sqrt(head_dim).
+    "gemma2": RandomModelSpec(
+        arch="gemma2", seed=15, num_hidden_layers=3, head_dim=32,
+        extra={"sliding_window": WINDOW, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.0,
+               "final_logit_softcapping": 1.5},
+    ),
+    # Gemma 3: q/k norms, a local RoPE base on the sliding layers and another on the full one.
+    "gemma3": RandomModelSpec(
+        arch="gemma3", seed=16, num_hidden_layers=3, head_dim=32, rope_theta=1e6,
+        extra={"sliding_window": WINDOW, "query_pre_attn_scalar": 24, "rope_local_base_freq": 10000.0,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    ),
 }
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+# With each chosen token's logprob: a cap on the final logits (Gemma 2) keeps their order, not their values.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -69,4 +83,7 @@ def test_windowed_greedy_parity(windowed_models: dict[str, Path], name: str, mod
     if mode == "prefix_cached":
         assert outs[1].num_cached_tokens >= 32
     for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt)[0], (name, mode, len(prompt))
+        tokens, hf_logprobs = hf_greedy(model, prompt)
+        assert list(out.outputs[0].token_ids) == tokens, (name, mode, len(prompt))
+        for step, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            assert abs(entry[token].logprob - hf_logprobs[step, token].item()) < 1e-4, (name, mode, step)

@@ -147,6 +147,7 @@ class Case:
     max_query_len: int | None = None  # None: the true maximum
     num_splits: int | None = None  # None: the kernel's choice from max(seq_lens)
     window: int | None = None  # a sliding window of that many keys
+    softcap: float | None = None  # Gemma 2's cap on the scaled scores
 
     def __str__(self) -> str:
         return self.name
@@ -210,6 +211,10 @@ CPU_CASES = [
          num_splits=4, window=40),
     Case("window-split2-mixed-f16-nhd", q_lens=(1, 9, 0, 1), seq_lens=(70, 40, 5, 33), dtype=F16, layout=NHD,
          head_size=128, block_m=16, block_n=16, num_splits=2, window=17),
+    # Soft-capped scores (a cap below the scores' spread, so it bites), alone and windowed with splits.
+    Case("softcap-mixed-f32", **_MIXED_LENS, softcap=0.5),
+    Case("softcap-window-split2-bf16-nhd", q_lens=(1, 9, 1), seq_lens=(70, 40, 33), dtype=BF16, layout=NHD,
+         block_m=16, block_n=16, num_splits=2, window=17, softcap=2.0),
 ]
 
 GPU_CASES = [
@@ -321,7 +326,13 @@ def _oracle(case: Case, batch: PagedBatch, scale: float) -> torch.Tensor:
             allowed = keys <= positions
             if case.window is not None:
                 allowed &= keys > positions - case.window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+            if case.softcap is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+            else:
+                group = q.shape[1] // k.shape[1]
+                scores = torch.tanh(q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale / case.softcap)
+                weights = (scores * case.softcap).masked_fill(~allowed, float("-inf")).softmax(-1)
+                o = weights @ v.repeat_interleave(group, 1)
             out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out
@@ -351,6 +362,7 @@ def test_paged_attention_matches_reference(case: Case) -> None:
         block_n=case.block_n,
         num_splits=case.num_splits,
         window=case.window,
+        softcap=case.softcap,
     )
     assert result is out
     assert torch.isnan(out_storage[..., case.head_size :]).all()

@@ -12,7 +12,8 @@ import pytest
 import transformers
 
 from rayvllm.messages.errors import InvalidParameterError
-from rayvllm.models.honoured import check_honoured, layer_windows, unhonoured
+from rayvllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from rayvllm.models.honoured import Honours, check_honoured, layer_rope, layer_windows, unhonoured
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
@@ -30,11 +31,45 @@ def _config(cls: type, **kwargs: Any) -> dict[str, Any]:
     ({**_config(transformers.LlamaConfig), "final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ({**_config(transformers.LlamaConfig), "quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quant_method 'gptq'"),
+    ({**_config(transformers.LlamaConfig), "query_pre_attn_scalar": 24}, "query_pre_attn_scalar=24"),
 ])
 def test_an_unhonoured_attribute_is_refused_by_name(config: dict[str, Any], named: str) -> None:
     with pytest.raises(InvalidParameterError, match="refused rather than served with wrong tokens") as refused:
         check_honoured(config)
     assert named in str(refused.value)
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    (_config(transformers.Gemma2Config, hidden_activation="gelu"), "hidden_activation='gelu'"),
+    (_config(transformers.Gemma3TextConfig, use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (_config(transformers.Gemma3TextConfig, rope_parameters={
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "'yarn'"),
+])
+def test_gemma_refuses_what_its_layers_lack(config: dict[str, Any], named: str) -> None:
+    """Gemma's own attributes pass for Gemma (caps, GeGLU, its softmax
+    scale); what its layers lack is still refused by name."""
+    assert unhonoured(_config(transformers.Gemma2Config), Gemma2ForCausalLM.honours) == []
+    with pytest.raises(InvalidParameterError, match="refused rather than served with wrong tokens") as refused:
+        check_honoured(config, Gemma3ForCausalLM.honours)
+    assert named in str(refused.value)
+    # The same Gemma attributes on a family without them are refused.
+    assert "attn_logit_softcapping=50.0" in "; ".join(unhonoured(_config(transformers.Gemma2Config), Honours()))
+
+
+def test_gemma3_rope_per_layer_kind() -> None:
+    """Sliding layers on the local base, the full ones on the global base
+    with its scaling: from `rope_parameters` keyed by layer kind, and from an
+    older config.json's `rope_local_base_freq`."""
+    config = _config(transformers.Gemma3TextConfig, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    assert layer_rope(config, 512) == (1e4, {"rope_type": "default", "rope_theta": 1e4})
+    assert layer_rope(config, None) == (1e6, {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6})
+    older = {"model_type": "gemma3_text", "num_hidden_layers": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert layer_rope(older, 512) == (1e4, {})
+    assert layer_rope(older, None) == (1e6, {"rope_type": "linear", "factor": 8.0})
 
 
 @pytest.mark.parametrize(("config", "windows"), [
@@ -47,6 +82,12 @@ def test_an_unhonoured_attribute_is_refused_by_name(config: dict[str, Any], name
     ({**_config(transformers.Qwen2Config, use_sliding_window=False), "sliding_window": 4096}, [None] * 4),
     ({**_config(transformers.LlamaConfig), "sliding_window": 8,
       "layer_types": ["sliding_attention", "full_attention"] * 2}, [8, None, 8, None]),
+    (_config(transformers.Gemma2Config, sliding_window=16), [16, None, 16, None]),
+    # Checkpoints saved before transformers wrote layer_types: Gemma's pattern.
+    ({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 16}, [16, None, 16, None]),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 16}, [16] * 5 + [None, 16]),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 16, "sliding_window_pattern": 2},
+     [16, None, 16, None]),
 ])
 def test_each_layer_gets_the_window_transformers_gives_it(config: dict[str, Any], windows: list[int | None]) -> None:
     assert layer_windows(config) == windows

@@ -16,11 +16,14 @@ class Attention(nn.Module):
     that the layer cannot run."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
-        """`window`: a sliding window of that many keys (None: full attention)."""
+        """`window`: a sliding window of that many keys (None: full attention);
+        `softcap` c: scaled scores s count as c * tanh(s / c) (None: as they are)."""
         super().__init__()
         self.window = window
+        self.softcap = softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -52,4 +55,6 @@ class Attention(nn.Module):
         assert backend is not None, "KV cache not bound"
         if not kv_written:
             backend.reshape_and_cache(k, v, self.key_cache, self.value_cache, metadata)
-        return backend.forward(q, k, v, self.key_cache, self.value_cache, metadata, self.scale, self.window)
+        return backend.forward(
+            q, k, v, self.key_cache, self.value_cache, metadata, self.scale, self.window, self.softcap
+        )

@@ -108,10 +108,12 @@ class ModelRunner:
         # A pooling runner returns vectors and never computes logits.
         pooler_config = self.model_config.pooler_config
         self.pooler = Pooler(pooler_config) if pooler_config is not None else None
-        # Sliding-window layers need a backend that takes a window.
+        # Sliding-window layers need a backend that takes a window, capped logits one that caps.
         windowed = any(w is not None for w in layer_windows(self.model_config.hf_config))
+        softcapped = self.model_config.hf_config.get("attn_logit_softcapping") is not None
         self.attn_backend = select_attention_backend(
-            self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend, windowed
+            self.device, self.dtype, self.model_config.head_dim, self.block_size, config.attention_backend, windowed,
+            softcapped,
         )
         self.on_cpu = self.device.type == "cpu"
         # The persistent block table, shared (not copied) with the decode kernel.
@@ -120,6 +122,11 @@ class ModelRunner:
             raise InvalidParameterError(
                 "attention_backend", f"the model has sliding-window layers, which the {self.attn_backend.name} "
                 "backend does not run yet; the torch and triton backends do",
+            )
+        if softcapped and not self.attn_backend.supports_softcap:
+            raise InvalidParameterError(
+                "attention_backend", f"the model soft-caps its attention logits (attn_logit_softcapping), which "
+                f"the {self.attn_backend.name} backend does not do yet; the torch and triton backends do",
             )
         self.use_c_decode = (
             not self.attn_backend.uses_varlen_metadata

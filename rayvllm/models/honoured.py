@@ -1,8 +1,10 @@
-"""What the Llama-shaped implementation (models/llama.py) honours of a
-config.json (its layers' attention windows among it: `layer_windows`), and
-the refusal by name of every attribute it would otherwise ignore: a model
-whose config asks for something the layers do not do is refused at load,
-never served with wrong tokens.
+"""What the Llama-shaped implementation (models/llama.py) and the families
+built on it honour of a config.json (each layer's attention window:
+`layer_windows`; its rotary embedding: `layer_rope`), and the refusal by
+name of every attribute they would otherwise ignore: a model whose config
+asks for something its family's layers do not do is refused at load, never
+served with wrong tokens. What a family does beyond Llama it declares in
+its `Honours`.
 
 Each rule reads the config as transformers' own class for the model type
 does (its defaults included where they decide: Qwen2's window is off unless
@@ -11,6 +13,7 @@ does (its defaults included where they decide: Qwen2's window is off unless
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rayvllm.messages.errors import InvalidParameterError
@@ -19,6 +22,10 @@ from rayvllm.messages.errors import InvalidParameterError
 HONOURED_ROPE_TYPES = (None, "default", "linear", "llama3")
 # Model types whose window applies only with `use_sliding_window` (transformers' Qwen2/Qwen3 configs).
 _WINDOW_BY_FLAG = ("qwen2", "qwen3")
+# Model types whose config.json may give no `layer_types` (checkpoints saved
+# before transformers had them): every n-th layer attends fully, the others
+# through the window (`sliding_window_pattern` overrides n).
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
 # The kinds of `layer_types` entries, by whether the layer attends through a window.
@@ -30,7 +37,8 @@ def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     (None: full attention): a layer with a window of W keys attends to its
     own position and the W - 1 before it. `layer_types` where given, else
     `sliding_window` on every layer, or for Qwen2/Qwen3 only with
-    `use_sliding_window`, on the layers from `max_window_layers` on."""
+    `use_sliding_window`, on the layers from `max_window_layers` on, or for
+    Gemma 2 and 3 on all but every n-th layer."""
     num_layers = int(cfg["num_hidden_layers"])
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
@@ -46,6 +54,9 @@ def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     elif cfg.get("model_type") in _WINDOW_BY_FLAG:
         first = int(cfg.get("max_window_layers", num_layers))
         windowed = [i >= first for i in range(num_layers)]
+    elif cfg.get("model_type") in _WINDOW_PATTERN:
+        every = int(cfg.get("sliding_window_pattern") or _WINDOW_PATTERN[cfg["model_type"]])
+        windowed = [(i + 1) % every != 0 for i in range(num_layers)]
     else:
         windowed = [True] * num_layers
     if any(windowed) and window is None:
@@ -55,34 +66,73 @@ def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     return [int(window) if w else None for w in windowed]
 
 
-def unhonoured(cfg: dict[str, Any]) -> list[str]:
-    """Each attribute of `cfg` the Llama-shaped layers would not honour,
-    with its value."""
+def layer_rope(cfg: dict[str, Any], window: int | None) -> tuple[float, dict[str, Any]]:
+    """A layer's RoPE base and scaling parameters: from `rope_parameters`
+    keyed by layer kind where the config has them so (Gemma 3: sliding
+    layers on a local base; its older config.json gives the local base as
+    `rope_local_base_freq`, unscaled), else the model's one setting."""
+    if window is not None and cfg.get("rope_local_base_freq") is not None:
+        return float(cfg["rope_local_base_freq"]), {}
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if set(rope) & set(_LAYER_KINDS):
+        rope = rope.get("sliding_attention" if window is not None else "full_attention") or {}
+        return float(rope.get("rope_theta", 10000.0)), rope
+    return float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))), rope
+
+
+def _rope_settings(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every RoPE setting of the config (one, or one per layer kind)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if set(rope) & set(_LAYER_KINDS):
+        return [r or {} for r in rope.values()]
+    return [rope]
+
+
+@dataclass(frozen=True)
+class Honours:
+    """What a family's layers implement beyond Llama's: its MLP activation
+    (config.json's `hidden_activation`, else `hidden_act`), soft caps on the
+    attention and final logits, and a softmax scale of
+    `query_pre_attn_scalar ** -0.5` (Gemma 2 and 3)."""
+
+    activation: str = "silu"
+    softcapping: bool = False
+    query_pre_attn_scalar: bool = False
+
+
+def unhonoured(cfg: dict[str, Any], honours: Honours = Honours()) -> list[str]:
+    """Each attribute of `cfg` that the layers of a family honouring
+    `honours` would not honour, with its value."""
     found: list[str] = []
-    if cfg.get("hidden_act", "silu") != "silu":
-        found.append(f"hidden_act={cfg['hidden_act']!r} (only silu)")
+    activation_key = "hidden_activation" if cfg.get("hidden_activation") is not None else "hidden_act"
+    activation = cfg.get(activation_key, honours.activation)
+    if activation != honours.activation:
+        found.append(f"{activation_key}={activation!r} (this architecture implements {honours.activation})")
     if cfg.get("mlp_bias"):
         found.append("mlp_bias=true")
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+    if cfg.get("use_bidirectional_attention"):
+        found.append("use_bidirectional_attention=true (decoders attend causally here)")
+    capped = ("attn_logit_softcapping", "final_logit_softcapping") if not honours.softcapping else ()
+    for name in capped + (() if honours.query_pre_attn_scalar else ("query_pre_attn_scalar",)):
         if cfg.get(name) is not None:
             found.append(f"{name}={cfg[name]}")
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind not in HONOURED_ROPE_TYPES:
-        found.append(f"rope type {kind!r} (honoured: default, linear, llama3)")
-    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        found.append(f"partial_rotary_factor={partial}")
+    for rope in _rope_settings(cfg):
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in HONOURED_ROPE_TYPES:
+            found.append(f"rope type {kind!r} (honoured: default, linear, llama3)")
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            found.append(f"partial_rotary_factor={partial}")
     quantization = cfg.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         found.append(f"quantization_config (quant_method {method!r}; quantized checkpoints are not loaded yet)")
-    return found
+    return list(dict.fromkeys(found))
 
 
-def check_honoured(cfg: dict[str, Any]) -> None:
-    """Refuse `cfg` naming every attribute the layers would not honour."""
-    found = unhonoured(cfg)
+def check_honoured(cfg: dict[str, Any], honours: Honours = Honours()) -> None:
+    """Refuse `cfg` naming every attribute the family's layers would not honour."""
+    found = unhonoured(cfg, honours)
     if found:
         archs = cfg.get("architectures") or [cfg.get("model_type")]
         raise InvalidParameterError(

@@ -32,7 +32,7 @@ from rayvllm.layers.linear import Linear, RowParallelLinear
 from rayvllm.layers.rotary import RotaryEmbedding
 from rayvllm.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from rayvllm.messages.errors import InvalidParameterError
-from rayvllm.models.honoured import check_honoured, layer_windows
+from rayvllm.models.honoured import Honours, check_honoured, layer_rope, layer_windows
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -94,15 +94,12 @@ class LlamaAttention(nn.Module):
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(
-            self.head_dim,
-            cfg.get("max_position_embeddings", 2048),
-            cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            cfg.get("rope_scaling") or cfg.get("rope_parameters"),
-            dtype,
-        )
+        theta, rope = layer_rope(cfg, window)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 2048), theta, rope, dtype)
         scale = self.head_dim**-0.5 if scale is None else scale
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window)
+        # Only a family whose Honours has softcapping gets this far with a cap set.
+        softcap = cfg.get("attn_logit_softcapping")
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window, softcap)
         self.use_c_kernels = False
         self.use_triton_kernels = False
 
@@ -141,10 +138,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """`intermediate` is this TP rank's slice of the intermediate size."""
+    """`intermediate` is this TP rank's slice of the intermediate size;
+    `activation` gates the up projection: SiLU (Llama's; fused kernels on
+    CPU and GPU) or transformers' gelu_pytorch_tanh (Gemma's GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, ctx: ParallelContext) -> None:
+    def __init__(self, hidden: int, intermediate: int, ctx: ParallelContext, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, ctx)
@@ -160,6 +160,8 @@ class LlamaMLP(nn.Module):
         if self.use_c_kernel:
             return self.down_proj(cpu_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
+        if self.activation == "gelu_pytorch_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -213,8 +215,12 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
-    # Granite's four scalings (config.json's *_multiplier, logits_scaling).
-    has_multipliers = False
+    # What the family's layers do beyond Llama's (models/honoured.py).
+    honours = Honours()
+    # Built as (cfg, qkv_bias, qk_norm, dtype, ctx, window, multipliers);
+    # `forward(positions, x, residual, metadata)` -> (x, residual), where
+    # the hidden state is x + residual (x alone before the first layer).
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(
         self, cfg: dict, dtype: torch.dtype, parallel: ParallelContext | None = None, with_lm_head: bool = True
@@ -222,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         """`with_lm_head=False`: a pooling model's, whose last stage stops at the final norm."""
         super().__init__()
         ctx = parallel or ParallelContext()
-        check_honoured(cfg)
+        check_honoured(cfg, self.honours)
         check_parallel_sizes(cfg, ctx.tp_size, ctx.pp_size)
         self.cfg = cfg
         self.parallel = ctx
@@ -231,11 +237,13 @@ class LlamaForCausalLM(nn.Module):
         vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
         self.embed_tokens = VocabParallelEmbedding(vocab, hidden, ctx) if ctx.is_first_stage else None
         windows = layer_windows(cfg)
-        self.multipliers = Multipliers.of(cfg) if self.has_multipliers else None
+        self.multipliers = self.multipliers_of(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx, windows[i], self.multipliers)
+            self.decoder_layer(cfg, qkv_bias, self.qk_norm, dtype, ctx, windows[i], self.multipliers)
             for i in range(self.start_layer, self.end_layer)
         )
+        # Only a family whose Honours has softcapping gets this far with a cap set.
+        self.final_logit_softcapping: float | None = cfg.get("final_logit_softcapping")
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.norm: RMSNorm | None = None
         self.lm_head: ParallelLMHead | None = None
@@ -258,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             if use_c_kernels and isinstance(module, RMSNorm):
                 module.use_c_kernel = True
             elif use_c_kernels and isinstance(module, LlamaMLP):
-                module.use_c_kernel = cpu_ops.silu_and_mul_ahead()
+                module.use_c_kernel = module.activation == "silu" and cpu_ops.silu_and_mul_ahead()
             elif use_c_kernels and fused_kv_write and isinstance(module, LlamaAttention):
                 module.use_c_kernels = True
 
@@ -267,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         kernels (kernels/triton_fused.py) for norms, q/k norm + RoPE and
         SiLU-and-mul. Float32, the parity mode, keeps torch's ops."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaMLP)):
+            if isinstance(module, RMSNorm) or (isinstance(module, LlamaMLP) and module.activation == "silu"):
                 module.use_triton_kernel = True
             elif isinstance(module, LlamaAttention):
                 module.use_triton_kernels = True
@@ -305,7 +313,14 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if logits is not None and self.multipliers is not None and self.multipliers.logits_scaling != 1.0:
             logits = logits / self.multipliers.logits_scaling
+        if logits is not None and self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
+
+    @classmethod
+    def multipliers_of(cls, cfg: dict) -> "Multipliers | None":
+        """The family's scalings (None: Llama's, all 1)."""
+        return None
 
     # ---- weights -----------------------------------------------------------------
 
@@ -320,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
     def _load_into(self, params: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`load_weights` into `params` (our name -> its tensor); returns the names loaded."""
         loaded: set[str] = set()
-        for name, tensor in self.unfused(weights):
+        for name, tensor in self.remapped(weights):
             local = self._local_name(name)
             if local is None:
                 continue
@@ -341,10 +356,11 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target)
         return loaded
 
-    def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors under Llama's names (q/k/v_proj,
-        gate/up_proj), which `shard_of` slices per rank; a family whose
-        checkpoint fuses projections splits them here."""
+    def remapped(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as Llama's layers take them, under its
+        names (q/k/v_proj, gate/up_proj), which `shard_of` slices per rank:
+        a family whose checkpoint fuses projections splits them here, one
+        whose norms scale by 1 + weight adds the 1."""
         return weights
 
     def _local_name(self, name: str) -> str | None:
@@ -437,13 +453,15 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
-    has_multipliers = True
+    @classmethod
+    def multipliers_of(cls, cfg: dict) -> "Multipliers":
+        return Multipliers.of(cfg)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama's layers, its checkpoint's q/k/v and gate/up fused."""
 
-    def unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    def remapped(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         cfg = self.cfg
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

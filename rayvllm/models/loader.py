@@ -14,11 +14,14 @@ from rayvllm.distributed.parallel_state import ParallelContext
 from rayvllm.kernels import cpu_ops
 from rayvllm.kernels.backends import fused_gpu_kernels_apply
 from rayvllm.messages.errors import InvalidParameterError
+from rayvllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from rayvllm.models.llama import (
     GraniteForCausalLM, LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -112,7 +112,7 @@ def build_tokenizer(path: str | Path, vocab_size: int, seed: int = 0) -> None:
 
 @dataclass
 class RandomModelSpec:
-    """Shape of a random model; `arch` is one of granite, llama, mistral, phi3, qwen2, qwen3."""
+    """Shape of a random model; `arch` is one of gemma2, gemma3, granite, llama, mistral, phi3, qwen2, qwen3."""
 
     arch: str = "llama"
     vocab_size: int = 4096
@@ -169,7 +169,13 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
         return transformers.Qwen2Config(**{"use_sliding_window": False, **common})
     if spec.arch == "qwen3":
         return transformers.Qwen3Config(**{"use_sliding_window": False, **common})
-    raise ValueError(f"unknown arch {spec.arch!r}; expected granite, llama, mistral, phi3, qwen2 or qwen3")
+    if spec.arch == "gemma2":
+        return transformers.Gemma2Config(**common)
+    if spec.arch == "gemma3":
+        return transformers.Gemma3TextConfig(**common)
+    raise ValueError(
+        f"unknown arch {spec.arch!r}; expected gemma2, gemma3, granite, llama, mistral, phi3, qwen2 or qwen3"
+    )
 
 
 def build_random_model(path: str | Path, spec: RandomModelSpec) -> Path:
@@ -206,6 +212,13 @@ def _write_random_model(path: Path, spec: RandomModelSpec) -> None:
     config = _hf_config(spec)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+    if spec.arch.startswith("gemma"):
+        # Gemma initialises its norms' weights w to 0 (they scale by 1 + w):
+        # random ones, so that a loader that forgot the 1 cannot pass.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.2)
     kwargs = {"safe_serialization": True}
     if spec.max_shard_size is not None:
         kwargs["max_shard_size"] = spec.max_shard_size
