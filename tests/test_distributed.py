@@ -34,6 +34,16 @@ SPECS = {
     # Sliding-window attention on every layer, 8 keys: every prompt runs past it.
     "mistral-window": RandomModelSpec(arch="mistral", seed=24, extra={"sliding_window": 8}),
     "phi3": RandomModelSpec(arch="phi3", seed=26),
+    # OLMo 2's q/k norms span all heads: each TP rank all-reduces its heads' sum of squares and scales by its
+    # slice of the norm weight (away from 1, so a wrong slice changes the tokens).
+    "olmo2-gqa": RandomModelSpec(
+        arch="olmo2", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, norm_weight_std=0.3,
+        seed=27,
+    ),
+    # One KV head for two TP ranks: its sum of squares must count once, not once per replica.
+    "olmo2-mqa": RandomModelSpec(
+        arch="olmo2", num_attention_heads=4, num_key_value_heads=1, norm_weight_std=0.3, seed=28
+    ),
     "granite": RandomModelSpec(
         arch="granite", seed=25, extra={"embedding_multiplier": 6.0, "attention_multiplier": 0.0625,
                                         "residual_multiplier": 0.4, "logits_scaling": 4.0},
@@ -90,6 +100,10 @@ def _single_process(model_dir: Path) -> list[list[int]]:
         ("granite", dict(tensor_parallel_size=2)),
         # Each rank slices its heads out of the checkpoint's fused q/k/v.
         ("phi3", dict(tensor_parallel_size=2)),
+        ("olmo2-gqa", dict(tensor_parallel_size=2)),
+        # Stages pass OLMo 2's (x, residual) pair as Llama's.
+        ("olmo2-gqa", dict(pipeline_parallel_size=2)),
+        ("olmo2-mqa", dict(tensor_parallel_size=2)),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(
         "async" if k == "async_scheduling" else f"{k.split('_')[0]}{n}" for k, n in v.items()

@@ -233,8 +233,7 @@ class LlamaForCausalLM(nn.Module):
         windows = layer_windows(cfg)
         self.multipliers = Multipliers.of(cfg) if self.has_multipliers else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx, windows[i], self.multipliers)
-            for i in range(self.start_layer, self.end_layer)
+            self.decoder_layer(cfg, qkv_bias, dtype, ctx, windows[i]) for i in range(self.start_layer, self.end_layer)
         )
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.norm: RMSNorm | None = None
@@ -245,6 +244,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(vocab, hidden, ctx)
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def decoder_layer(
+        self, cfg: dict, qkv_bias: bool, dtype: torch.dtype, ctx: ParallelContext, window: int | None
+    ) -> nn.Module:
+        """One decoder layer. A family with another layer shape overrides it;
+        its layer takes and returns `(x, residual)` as `LlamaDecoderLayer`
+        does, and holds `self_attn` (a `LlamaAttention`) and `mlp` (a `LlamaMLP`)."""
+        return LlamaDecoderLayer(cfg, qkv_bias, self.qk_norm, dtype, ctx, window, self.multipliers)
 
     def optimize_for_cpu(self, use_c_kernels: bool, fused_kv_write: bool = True, batch_invariant: bool = False) -> None:
         """After loading, for float32 on the CPU: each weight shape's GEMM
