@@ -157,7 +157,7 @@ def test_triton_backend_runs_sliding_windows(tmp_path: Path, arch: str) -> None:
     if arch == "gemma2":
         extra.update(attn_logit_softcapping=1.0, query_pre_attn_scalar=24)
     model = build_random_model(tmp_path / arch, RandomModelSpec(arch=arch, seed=13, num_hidden_layers=3,
-                                                                head_dim=32, extra=extra))
+                                                                head_dim=32, norm_weight_std=0.2, extra=extra))
     tokens, llm = _engine_tokens(model, "triton")
     assert llm.llm_engine.engine_core.engine_core.executor.runner.attn_backend.name == "triton"
     assert tokens == _engine_tokens(model, "torch")[0]

@@ -36,12 +36,22 @@ SPECS = {
     "phi3": RandomModelSpec(arch="phi3", seed=26),
     # Gemma 2: local layers between global ones, soft caps that bite; Gemma 3: q/k norms, two RoPE bases.
     "gemma2": RandomModelSpec(
-        arch="gemma2", seed=27, num_hidden_layers=3, extra={"sliding_window": 8, "query_pre_attn_scalar": 24,
+        arch="gemma2", seed=27, num_hidden_layers=3, norm_weight_std=0.2, extra={"sliding_window": 8, "query_pre_attn_scalar": 24,
                                                            "attn_logit_softcapping": 1.0}),
     "gemma3": RandomModelSpec(
-        arch="gemma3", seed=28, num_hidden_layers=3, rope_theta=1e6,
+        arch="gemma3", seed=28, num_hidden_layers=3, rope_theta=1e6, norm_weight_std=0.2,
         extra={"sliding_window": 8, "query_pre_attn_scalar": 24, "rope_local_base_freq": 10000.0,
                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # OLMo 2's q/k norms span all heads: each TP rank all-reduces its heads' sum of squares and scales by its
+    # slice of the norm weight (away from 1, so a wrong slice changes the tokens).
+    "olmo2-gqa": RandomModelSpec(
+        arch="olmo2", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, norm_weight_std=0.3,
+        seed=27,
+    ),
+    # One KV head for two TP ranks: its sum of squares must count once, not once per replica.
+    "olmo2-mqa": RandomModelSpec(
+        arch="olmo2", num_attention_heads=4, num_key_value_heads=1, norm_weight_std=0.3, seed=28
+    ),
     "granite": RandomModelSpec(
         arch="granite", seed=25, extra={"embedding_multiplier": 6.0, "attention_multiplier": 0.0625,
                                         "residual_multiplier": 0.4, "logits_scaling": 4.0},
@@ -100,6 +110,10 @@ def _single_process(model_dir: Path) -> list[list[int]]:
         ("phi3", dict(tensor_parallel_size=2)),
         ("gemma2", dict(tensor_parallel_size=2)),
         ("gemma3", dict(tensor_parallel_size=2)),
+        ("olmo2-gqa", dict(tensor_parallel_size=2)),
+        # Stages pass OLMo 2's (x, residual) pair as Llama's.
+        ("olmo2-gqa", dict(pipeline_parallel_size=2)),
+        ("olmo2-mqa", dict(tensor_parallel_size=2)),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(
         "async" if k == "async_scheduling" else f"{k.split('_')[0]}{n}" for k, n in v.items()

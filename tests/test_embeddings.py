@@ -31,6 +31,7 @@ SPECS = {
     "qwen3": RandomModelSpec(
         arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, seed=33
     ),
+    "olmo2": RandomModelSpec(arch="olmo2", num_attention_heads=4, num_key_value_heads=2, norm_weight_std=0.3, seed=34),
 }
 # A 32-token budget chunks every long prompt over several steps.
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks_override=17, max_num_seqs=8)

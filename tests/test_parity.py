@@ -47,6 +47,15 @@ SPECS = {
     ),
     # Phi-3: its checkpoint fuses q/k/v and gate/up.
     "phi3": RandomModelSpec(arch="phi3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, seed=8),
+    # OLMo 2: norms after each sublayer, q/k normed over all heads. Norm weights away from 1, so that one
+    # loaded into the wrong rows changes the tokens; an explicit head_dim (48, not 128 / 4).
+    "olmo2-gqa": RandomModelSpec(
+        arch="olmo2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, norm_weight_std=0.3, seed=9,
+    ),
+    "olmo2-mha-tied": RandomModelSpec(
+        arch="olmo2", hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=48,
+        tie_word_embeddings=True, norm_weight_std=0.3, seed=10,
+    ),
     "qwen3-mha-sharded": RandomModelSpec(
         arch="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, seed=6,
         max_shard_size="1MB",
@@ -89,7 +98,7 @@ def test_greedy_parity_default(parity_models: dict[str, Path], name: str) -> Non
                 assert abs(entry[tok].logprob - val) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-gqa-tied", "granite"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-gqa-tied", "granite", "olmo2-gqa"])
 def test_greedy_parity_chunked_prefill(parity_models: dict[str, Path], name: str) -> None:
     model_dir = parity_models[name]
     llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=16, max_num_seqs=8)
@@ -116,7 +125,7 @@ def test_greedy_parity_under_preemption(parity_models: dict[str, Path], name: st
         assert out.outputs[0].token_ids == _hf_greedy(model_dir, prompt)[0]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-mha-sharded"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-mha-sharded", "olmo2-gqa"])
 def test_greedy_parity_with_prefix_cache_hits(parity_models: dict[str, Path], name: str) -> None:
     model_dir = parity_models[name]
     llm = LLM(model=str(model_dir), dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=64)

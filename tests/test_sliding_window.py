@@ -32,13 +32,13 @@ SPECS = {
     # Gemma 2: local layers between global ones, soft caps low enough to
     # bite, a softmax scale that is not 1 / sqrt(head_dim).
     "gemma2": RandomModelSpec(
-        arch="gemma2", seed=15, num_hidden_layers=3, head_dim=32,
+        arch="gemma2", seed=15, num_hidden_layers=3, head_dim=32, norm_weight_std=0.2,
         extra={"sliding_window": WINDOW, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.0,
                "final_logit_softcapping": 1.5},
     ),
     # Gemma 3: q/k norms, a local RoPE base on the sliding layers and another on the full one.
     "gemma3": RandomModelSpec(
-        arch="gemma3", seed=16, num_hidden_layers=3, head_dim=32, rope_theta=1e6,
+        arch="gemma3", seed=16, num_hidden_layers=3, head_dim=32, rope_theta=1e6, norm_weight_std=0.2,
         extra={"sliding_window": WINDOW, "query_pre_attn_scalar": 24, "rope_local_base_freq": 10000.0,
                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     ),

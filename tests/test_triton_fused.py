@@ -94,11 +94,15 @@ def test_fused_kernels_apply_to_half_precision_on_cuda_only() -> None:
     assert not fused_gpu_kernels_apply("cpu", torch.bfloat16)
 
 
-def test_model_with_fused_kernels_keeps_greedy_parity(tmp_path: Path) -> None:
-    """The kernels switched on in a Qwen3 model (q/k norm) in float32,
-    eager: the layers' wiring gives transformers' greedy tokens."""
-    spec = RandomModelSpec(arch="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, seed=23)
-    model_dir = build_random_model(tmp_path / "qwen3", spec)
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2"])
+def test_model_with_fused_kernels_keeps_greedy_parity(tmp_path: Path, arch: str) -> None:
+    """The kernels switched on in a model with q/k norms (Qwen3's per head,
+    fused with RoPE; OLMo 2's over all heads, before a RoPE-only kernel) in
+    float32, eager: the layers' wiring gives transformers' greedy tokens."""
+    spec = RandomModelSpec(
+        arch=arch, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, norm_weight_std=0.3, seed=23
+    )
+    model_dir = build_random_model(tmp_path / arch, spec)
     llm = LLM(model=str(model_dir), device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128,
               enforce_eager=True)
     model = llm.llm_engine.engine_core.engine_core.executor.runner.model

@@ -1,19 +1,23 @@
 """A config.json attribute the Llama-shaped layers do not implement refuses
 the model at load, naming the attribute, instead of serving wrong tokens;
 each layer's sliding window is read as transformers reads it (the windowed
-models' parity: test_sliding_window.py). Configs come from transformers'
-own classes, as a checkpoint's config.json would."""
+models' parity: test_sliding_window.py), and a default it leaves out is
+the one transformers' class for the model type gives. Configs come from
+transformers' own classes, as a checkpoint's config.json would."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 import transformers
 
+from rayvllm.layers.layernorm import RMSNorm
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from rayvllm.models.honoured import Honours, check_honoured, layer_rope, layer_windows, unhonoured
+from rayvllm.models.olmo2 import Olmo2ForCausalLM
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
@@ -32,6 +36,8 @@ def _config(cls: type, **kwargs: Any) -> dict[str, Any]:
     ({**_config(transformers.LlamaConfig), "quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quant_method 'gptq'"),
     ({**_config(transformers.LlamaConfig), "query_pre_attn_scalar": 24}, "query_pre_attn_scalar=24"),
+    # transformers' OLMo 2 attention takes no window.
+    ({**_config(transformers.Olmo2Config), "sliding_window": 16}, "sliding_window=16"),
 ])
 def test_an_unhonoured_attribute_is_refused_by_name(config: dict[str, Any], named: str) -> None:
     with pytest.raises(InvalidParameterError, match="refused rather than served with wrong tokens") as refused:
@@ -106,6 +112,16 @@ def test_a_layer_kind_rayvllm_lacks_is_refused() -> None:
                                                        "original_max_position_embeddings": 64}),
     _config(transformers.MistralConfig, sliding_window=16),
     _config(transformers.Qwen3Config, use_sliding_window=False),
+    _config(transformers.Olmo2Config),
 ])
 def test_what_the_layers_implement_passes(config: dict[str, Any]) -> None:
     assert unhonoured(config) == []
+
+
+def test_a_norm_eps_left_out_is_olmo2s_default() -> None:
+    """A config.json without rms_norm_eps gets transformers' Olmo2Config default (1e-5), not Llama's (1e-6)."""
+    config = _config(transformers.Olmo2Config)
+    del config["rms_norm_eps"]
+    norms = [m for m in Olmo2ForCausalLM(config, torch.float32).modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 4 * 4 + 1  # per layer: q, k, post-attention, post-feedforward; the final norm
+    assert {norm.eps for norm in norms} == {transformers.Olmo2Config().rms_norm_eps}

@@ -26,6 +26,9 @@ _WINDOW_BY_FLAG = ("qwen2", "qwen3")
 # before transformers had them): every n-th layer attends fully, the others
 # through the window (`sliding_window_pattern` overrides n).
 _WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+# Model types whose transformers attention takes no window (its mask is fully causal whatever the config
+# says, while its cache would keep only a window's keys): a window in their config.json is refused.
+_NO_WINDOW = ("olmo2",)
 
 
 # The kinds of `layer_types` entries, by whether the layer attends through a window.
@@ -123,6 +126,8 @@ def unhonoured(cfg: dict[str, Any], honours: Honours = Honours()) -> list[str]:
         partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
             found.append(f"partial_rotary_factor={partial}")
+    if cfg.get("model_type") in _NO_WINDOW and any(w is not None for w in layer_windows(cfg)):
+        found.append(f"sliding_window={cfg.get('sliding_window')} ({cfg['model_type']} attends over the full context)")
     quantization = cfg.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization

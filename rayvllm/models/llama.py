@@ -219,7 +219,8 @@ class LlamaForCausalLM(nn.Module):
     honours = Honours()
     # Built as (cfg, qkv_bias, qk_norm, dtype, ctx, window, multipliers);
     # `forward(positions, x, residual, metadata)` -> (x, residual), where
-    # the hidden state is x + residual (x alone before the first layer).
+    # the hidden state is x + residual (x alone before the first layer); it
+    # holds `self_attn` (a `LlamaAttention`) and `mlp` (a `LlamaMLP`).
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(

@@ -112,7 +112,8 @@ def build_tokenizer(path: str | Path, vocab_size: int, seed: int = 0) -> None:
 
 @dataclass
 class RandomModelSpec:
-    """Shape of a random model; `arch` is one of gemma2, gemma3, granite, llama, mistral, phi3, qwen2, qwen3."""
+    """Shape of a random model; `arch` is one of gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2,
+    qwen3."""
 
     arch: str = "llama"
     vocab_size: int = 4096
@@ -127,6 +128,10 @@ class RandomModelSpec:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     initializer_range: float = 0.05
+    # transformers initialises every RMSNorm weight to 1 (Gemma's, which
+    # scale by 1 + weight, to 0), under which a norm weight loaded into the
+    # wrong rows, or without Gemma's 1, goes unseen; > 0 adds N(0, norm_weight_std).
+    norm_weight_std: float = 0.0
     seed: int = 0
     dtype: str = "float32"
     max_shard_size: str | None = None
@@ -159,6 +164,8 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
         return transformers.LlamaConfig(**common)
     if spec.arch == "granite":
         return transformers.GraniteConfig(**common)
+    if spec.arch == "olmo2":
+        return transformers.Olmo2Config(**common)
     if spec.arch == "phi3":
         # Phi-3's default pad id (32,000) lies past a small vocabulary.
         return transformers.Phi3Config(**{"pad_token_id": 0, **common})
@@ -174,7 +181,7 @@ def _hf_config(spec: RandomModelSpec):  # -> transformers.PretrainedConfig
     if spec.arch == "gemma3":
         return transformers.Gemma3TextConfig(**common)
     raise ValueError(
-        f"unknown arch {spec.arch!r}; expected gemma2, gemma3, granite, llama, mistral, phi3, qwen2 or qwen3"
+        f"unknown arch {spec.arch!r}; expected gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2 or qwen3"
     )
 
 
@@ -212,13 +219,11 @@ def _write_random_model(path: Path, spec: RandomModelSpec) -> None:
     config = _hf_config(spec)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
-    if spec.arch.startswith("gemma"):
-        # Gemma initialises its norms' weights w to 0 (they scale by 1 + w):
-        # random ones, so that a loader that forgot the 1 cannot pass.
+    if spec.norm_weight_std > 0:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.2)
+                    param.add_(torch.randn_like(param) * spec.norm_weight_std)
     kwargs = {"safe_serialization": True}
     if spec.max_shard_size is not None:
         kwargs["max_shard_size"] = spec.max_shard_size
