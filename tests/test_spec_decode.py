@@ -110,6 +110,29 @@ def test_draft_model_greedy_equals_transformers(draft_pair: tuple[Path, Path]) -
         assert tokens == hf_greedy(target, prompt)[0]
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_windowed_families_speculate_exactly(arch: str, tmp_path: Path) -> None:
+    """Drafts verified through sliding windows (and Gemma 2's capped
+    logits): a Mistral with a draft cut from it, a Gemma 2 with n-gram
+    drafts; the tokens stay transformers'."""
+    from rayvllm.models.truncated_draft import build_truncated_draft
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
+
+    extra: dict[str, object] = {"sliding_window": 8}
+    if arch == "gemma2":
+        extra.update(attn_logit_softcapping=1.0, query_pre_attn_scalar=24)
+    spec = RandomModelSpec(arch=arch, num_hidden_layers=3, head_dim=32, norm_weight_std=0.2, seed=33, extra=extra)
+    target = build_random_model(tmp_path / arch, spec)
+    speculative = NGRAM if arch == "gemma2" else {
+        "model": str(build_truncated_draft(target, tmp_path / "draft", 2)), "num_speculative_tokens": 3,
+    }
+    prompts = repetitive_prompts()
+    got, stats = _run(target, prompts, speculative_config=speculative)
+    _assert_speculated(stats)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(target, prompt)[0]
+
+
 def test_stops_max_tokens_and_logprobs_inside_accepted_runs(draft_pair: tuple[Path, Path]) -> None:
     """A stop id, EOS or max_tokens that lands inside a run of accepted
     drafts ends the request right there, as without speculation; logprobs

@@ -21,7 +21,10 @@ def build_truncated_draft(target: str | Path, path: str | Path, num_layers: int 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     if not 1 <= num_layers <= model.config.num_hidden_layers:
         raise ValueError(f"num_layers must be in 1..{model.config.num_hidden_layers}, got {num_layers}")
-    config = model.config.__class__.from_dict({**model.config.to_dict(), "num_hidden_layers": num_layers})
+    settings = model.config.to_dict()
+    # A per-layer list (a windowed family's layer_types) keeps the draft's layers' entries.
+    kept_types = {"layer_types": settings["layer_types"][:num_layers]} if settings.get("layer_types") else {}
+    config = model.config.__class__.from_dict({**settings, "num_hidden_layers": num_layers, **kept_types})
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kept = {
         name: tensor for name, tensor in model.state_dict().items()
