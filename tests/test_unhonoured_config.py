@@ -12,7 +12,7 @@ import pytest
 import transformers
 
 from rayvllm.messages.errors import InvalidParameterError
-from rayvllm.models.honoured import check_honoured, layer_windows, unhonoured
+from rayvllm.models.honoured import check_honoured, kv_window, layer_windows, unhonoured
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
@@ -37,19 +37,30 @@ def test_an_unhonoured_attribute_is_refused_by_name(config: dict[str, Any], name
     assert named in str(refused.value)
 
 
-@pytest.mark.parametrize(("config", "windows"), [
-    (_config(transformers.MistralConfig, sliding_window=16), [16] * 4),
-    (_config(transformers.MistralConfig, sliding_window=None), [None] * 4),
+@pytest.mark.parametrize(("config", "windows", "released"), [
+    (_config(transformers.MistralConfig, sliding_window=16), [16] * 4, 16),
+    (_config(transformers.MistralConfig, sliding_window=None), [None] * 4, None),
     (_config(transformers.Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=2),
-     [None, None, 16, 16]),
-    (_config(transformers.Qwen3Config, use_sliding_window=True, sliding_window=16, max_window_layers=0), [16] * 4),
+     [None, None, 16, 16], None),
+    (_config(transformers.Qwen3Config, use_sliding_window=True, sliding_window=16, max_window_layers=0), [16] * 4, 16),
     # Qwen2's window is off unless use_sliding_window, whatever sliding_window says.
-    ({**_config(transformers.Qwen2Config, use_sliding_window=False), "sliding_window": 4096}, [None] * 4),
+    ({**_config(transformers.Qwen2Config, use_sliding_window=False), "sliding_window": 4096}, [None] * 4, None),
     ({**_config(transformers.LlamaConfig), "sliding_window": 8,
-      "layer_types": ["sliding_attention", "full_attention"] * 2}, [8, None, 8, None]),
+      "layer_types": ["sliding_attention", "full_attention"] * 2}, [8, None, 8, None], None),
 ])
-def test_each_layer_gets_the_window_transformers_gives_it(config: dict[str, Any], windows: list[int | None]) -> None:
+def test_each_layer_gets_the_window_transformers_gives_it(
+    config: dict[str, Any], windows: list[int | None], released: int | None
+) -> None:
+    """`released`: the window behind which the KV cache manager releases
+    blocks, only where no layer reads every key (one block table serves all)."""
     assert layer_windows(config) == windows
+    assert kv_window(windows) == released
+
+
+def test_kv_window_is_the_widest_where_every_layer_has_one() -> None:
+    assert kv_window([8, 16, 4]) == 16
+    assert kv_window([8, None]) is None
+    assert kv_window([]) is None
 
 
 def test_a_layer_kind_rayvllm_lacks_is_refused() -> None:
