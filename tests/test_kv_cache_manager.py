@@ -9,7 +9,7 @@ import pytest
 from rayvllm.core.block_pool import KVCacheBlock
 from rayvllm.core.kv_cache_manager import KVCacheManager
 from rayvllm.core.request import Request
-from rayvllm.messages.block_hash import hash_request_tokens, request_extra_keys
+from rayvllm.messages.block_hash import BlockHash, hash_request_tokens, request_extra_keys
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.sampling_params import SamplingParams
 
@@ -593,3 +593,34 @@ def test_window_without_caching_frees_released_blocks_uncached() -> None:
     assert all(b.block_hash is None for b in m.block_pool.blocks)
     with pytest.raises(ValueError, match="sliding_window"):
         KVCacheManager(num_blocks=10, block_size=4, sliding_window=0)
+
+
+class _Events:
+    """A pool listener recording what block events and the prefix index would see."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, BlockHash]] = []
+
+    def on_block_cached(self, block_hash: BlockHash) -> None:
+        self.log.append(("cached", block_hash))
+
+    def on_block_evicted(self, block_hash: BlockHash) -> None:
+        self.log.append(("evicted", block_hash))
+
+
+def test_window_release_is_no_block_event() -> None:
+    """A released block keeps its hash: the listener (block events, the DP
+    prefix index) hears of it only when the pool hands it out again."""
+    events = _Events()
+    m = KVCacheManager(num_blocks=5, block_size=4, sliding_window=WINDOW, listener=events)
+    a = make_request("a", list(range(10)))
+    schedule(m, a, 10)
+    first, second = m.req_to_block_hashes["a"]
+    assert events.log == [("cached", first), ("cached", second)]
+    decode(m, a, 100)
+    assert m.get_block_ids("a") == [0, 2, 3]
+    assert events.log == [("cached", first), ("cached", second)]
+    b = make_request("b", [50, 51])
+    assert schedule(m, b, 2) == [4]
+    assert schedule(m, make_request("c", [60, 61]), 2) == [1]  # the released block, reused
+    assert events.log[-1] == ("evicted", first)

@@ -31,7 +31,9 @@ of every model writing these blocks has a window, W the largest: see
 p - W + 1 on; so once c is known, the blocks wholly before c - W + 1 are
 read by no query ever again, and `allocate_slots` releases them to the pool
 (cached ones stay in the prefix cache, evictable, as a finished request's
-do). Their entries in the request's block table become the null block, so
+do: the listener, block events and the DP prefix index among them, hears of
+one only when the pool hands it out again, and a second tier then stores
+it like any evicted block). Their entries in the request's block table become the null block, so
 the table keeps its length (position p stays in entry p // block_size) and
 a request holds at most ceil((W - 1) / block_size) + 1 blocks while it
 decodes, ceil((W + n - 2) / block_size) + 1 while it computes n tokens a
