@@ -14,10 +14,14 @@ class PrefillSeq:
     """One sequence with more than one query token this step.
 
     Its queries are tokens `[q_start, q_end)` of the flat batch, at positions
-    `[context_len - (q_end - q_start), context_len)`. `block_ids` are the blocks
-    holding its `context_len` keys, in order; `mask` is None when there is no
-    cached prefix (plain causal attention over the new tokens, read from the
-    step's own k/v, and then `block_ids` is None too).
+    `[context_len - (q_end - q_start), context_len)` counted from its first
+    key. `block_ids` are the blocks holding its `context_len` keys, in order;
+    `mask` is None when there is no cached prefix (plain causal attention over
+    the new tokens, read from the step's own k/v, and then `block_ids` is None
+    too). The first key is position 0 of the sequence, or, where every layer
+    has a window, the start of the block holding the first query's earliest
+    visible key: the blocks before it may have been released (their table
+    entries hold anything) and are never handed here.
     """
 
     q_start: int

@@ -101,6 +101,42 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_as_hits(manager: KVCacheMan
     assert offload.bytes_stored == 5 * PER_BLOCK and offload.bytes_loaded == 2 * PER_BLOCK
 
 
+def test_blocks_released_behind_a_window_go_to_the_tier_and_come_back() -> None:
+    """A cached block released behind a sliding window (6 keys) is an
+    ordinary free cached block: evicted while its request still runs, it
+    is stored; a later request loads it back and hits the whole chain,
+    then references only the hits its window reaches."""
+    m = KVCacheManager(num_blocks=5, block_size=BS, kv_tier=HostKVTier(10 * PER_BLOCK, PER_BLOCK), sliding_window=6)
+    a = _request("a", A + [109, 110, 111])
+    assert _run(m, a) == [1, 2, 3]
+    a.append_output_token_ids([112])
+    # c = 12: the next query reads 7 .. 12, so block 0 goes back to the pool, still cached.
+    assert [b.block_id for b in m.allocate_slots(a, 1)] == [4]
+    assert m.get_block_ids("a") == [0, 2, 3, 4]
+    assert m.take_transfers() is None
+    b = _request("b", [50, 51, 52])
+    assert _run(m, b) == [1]
+    t = m.take_transfers()
+    assert t is not None and t.stores == [(1, _h(A)[0])]
+    for req in (a, b):
+        m.free(req)
+    m.take_transfers()
+
+    c = _request("c", A + [109, 110, 111, 7])
+    hits, num_hit = m.get_computed_blocks(c)
+    assert (hits, num_hit) == ([], 0)  # the chain breaks at its first block
+    assert m.load_from_tier(c, hits)
+    t = m.take_transfers()
+    assert t is not None and t.loads == [(4, _h(A)[0])]
+    assert m.finish_transfers(t, []) == ["c"]
+    hits, num_hit = m.get_computed_blocks(c)
+    assert [b.block_id for b in hits] == [4, 2, 3] and num_hit == 12
+    # c = 12 again: the loaded block lies behind the window and is not referenced.
+    assert [b.block_id for b in m.allocate_slots(c, 1, hits, num_hit)] == [1]
+    assert m.get_block_ids("c") == [0, 2, 3, 1]
+    assert [m.block_pool.blocks[i].ref_cnt for i in (4, 2, 3, 1)] == [0, 1, 1, 1]
+
+
 def _load_a_again(m: KVCacheManager) -> tuple[Request, KVTransfers | None]:
     """a's blocks pushed out of the pool by b into the tier; then a request
     for a's tokens starts loading them. Returns it and its step's transfers."""

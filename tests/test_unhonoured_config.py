@@ -16,7 +16,7 @@ import transformers
 from rayvllm.layers.layernorm import RMSNorm
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from rayvllm.models.honoured import Honours, check_honoured, layer_rope, layer_windows, unhonoured
+from rayvllm.models.honoured import Honours, check_honoured, kv_window, layer_rope, layer_windows, unhonoured
 from rayvllm.models.olmo2 import Olmo2ForCausalLM
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -78,25 +78,36 @@ def test_gemma3_rope_per_layer_kind() -> None:
     assert layer_rope(older, None) == (1e6, {"rope_type": "linear", "factor": 8.0})
 
 
-@pytest.mark.parametrize(("config", "windows"), [
-    (_config(transformers.MistralConfig, sliding_window=16), [16] * 4),
-    (_config(transformers.MistralConfig, sliding_window=None), [None] * 4),
+@pytest.mark.parametrize(("config", "windows", "released"), [
+    (_config(transformers.MistralConfig, sliding_window=16), [16] * 4, 16),
+    (_config(transformers.MistralConfig, sliding_window=None), [None] * 4, None),
     (_config(transformers.Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=2),
-     [None, None, 16, 16]),
-    (_config(transformers.Qwen3Config, use_sliding_window=True, sliding_window=16, max_window_layers=0), [16] * 4),
+     [None, None, 16, 16], None),
+    (_config(transformers.Qwen3Config, use_sliding_window=True, sliding_window=16, max_window_layers=0), [16] * 4, 16),
     # Qwen2's window is off unless use_sliding_window, whatever sliding_window says.
-    ({**_config(transformers.Qwen2Config, use_sliding_window=False), "sliding_window": 4096}, [None] * 4),
+    ({**_config(transformers.Qwen2Config, use_sliding_window=False), "sliding_window": 4096}, [None] * 4, None),
     ({**_config(transformers.LlamaConfig), "sliding_window": 8,
-      "layer_types": ["sliding_attention", "full_attention"] * 2}, [8, None, 8, None]),
-    (_config(transformers.Gemma2Config, sliding_window=16), [16, None, 16, None]),
+      "layer_types": ["sliding_attention", "full_attention"] * 2}, [8, None, 8, None], None),
+    (_config(transformers.Gemma2Config, sliding_window=16), [16, None, 16, None], None),
     # Checkpoints saved before transformers wrote layer_types: Gemma's pattern.
-    ({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 16}, [16, None, 16, None]),
-    ({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 16}, [16] * 5 + [None, 16]),
+    ({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 16}, [16, None, 16, None], None),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 16}, [16] * 5 + [None, 16], None),
     ({"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 16, "sliding_window_pattern": 2},
-     [16, None, 16, None]),
+     [16, None, 16, None], None),
 ])
-def test_each_layer_gets_the_window_transformers_gives_it(config: dict[str, Any], windows: list[int | None]) -> None:
+def test_each_layer_gets_the_window_transformers_gives_it(
+    config: dict[str, Any], windows: list[int | None], released: int | None
+) -> None:
+    """`released`: the window behind which the KV cache manager releases
+    blocks, only where no layer reads every key (one block table serves all)."""
     assert layer_windows(config) == windows
+    assert kv_window(windows) == released
+
+
+def test_kv_window_is_the_widest_where_every_layer_has_one() -> None:
+    assert kv_window([8, 16, 4]) == 16
+    assert kv_window([8, None]) is None
+    assert kv_window([]) is None
 
 
 def test_a_layer_kind_rayvllm_lacks_is_refused() -> None:

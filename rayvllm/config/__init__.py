@@ -188,7 +188,9 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     """`num_blocks` is decided at engine start from the memory budget (or the
-    override) and includes the null block 0."""
+    override) and includes the null block 0; `sliding_window` at engine
+    start too, from the model's layers (EngineCore): the window past which
+    each request's KV blocks are released, None to keep them all."""
 
     # The KV budget on CPU unless `kv_cache_memory_bytes` (or
     # CPU_KV_CACHE_SPACE_ENV, which sets it) says otherwise.
@@ -210,6 +212,7 @@ class CacheConfig:
         "this many KV cache blocks (the null block included), whatever the memory budget", None
     )
     num_blocks: int = 0
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -23,6 +23,26 @@ Blocks are hashed (registered in the prefix cache) as soon as scheduled tokens
 fill them, before their KV is actually written. That is sound because a later
 request can only read them in a later forward pass, or in the same one after
 the model runner has written each layer's KV before attention reads it.
+
+Sliding window (`sliding_window` W, given only when every attention layer
+of every model writing these blocks has a window, W the largest: see
+`rayvllm.models.honoured.kv_window`). A step's queries sit at positions
+>= the request's computed tokens c, and a query at p reads keys from
+p - W + 1 on; so once c is known, the blocks wholly before c - W + 1 are
+read by no query ever again, and `allocate_slots` releases them to the pool
+(cached ones stay in the prefix cache, evictable, as a finished request's
+do: the listener, block events and the DP prefix index among them, hears of
+one only when the pool hands it out again, and a second tier then stores
+it like any evicted block). Their entries in the request's block table become the null block, so
+the table keeps its length (position p stays in entry p // block_size) and
+a request holds at most ceil((W - 1) / block_size) + 1 blocks while it
+decodes, ceil((W + n - 2) / block_size) + 1 while it computes n tokens a
+step, whatever its length. c never goes back while a request holds blocks:
+a speculative step's rejected drafts are taken back only down to the count
+it was allocated at plus one, and preemption frees the whole table. With a
+full-attention layer (Qwen2 below max_window_layers, Gemma's alternation,
+mixed layer_types) every key stays readable through the one table all
+layers share, so nothing is released (W is None).
 """
 
 from __future__ import annotations
@@ -42,9 +62,13 @@ class KVCacheManager:
     """Owns which blocks each request holds and the prefix-cache hash chains.
 
     Per-request invariants (for every ``request_id`` with blocks):
-    ``req_to_blocks[id][i]`` holds tokens ``[i*block_size, (i+1)*block_size)``;
+    ``req_to_blocks[id][i]`` holds tokens ``[i*block_size, (i+1)*block_size)``,
+    except that its first ``num_released_blocks[id]`` entries (0 without a
+    sliding window) are the null block: released, read by no later query;
     ``num_cached_blocks[id] <= len(req_to_blocks[id])`` counts the leading
-    blocks already registered in the pool's hash map;
+    blocks already registered in the pool's hash map (released ones
+    included: a released block was registered first, where its tokens were
+    known);
     ``req_to_block_hashes[id][i]`` is the chain hash of the request's full
     block ``i`` and is only ever extended (tokens are append-only).
 
@@ -61,16 +85,24 @@ class KVCacheManager:
         *,
         listener: BlockPoolListener | None = None,
         kv_tier: KVTier | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: release the blocks that far behind each
+        request's computed tokens (see the module docstring); None: keep
+        every block until the request is freed."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching, listener)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self.num_released_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self.offload: KVOffloadManager | None = None
         if kv_tier is not None and enable_caching:
@@ -90,11 +122,17 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (empty if it holds none)."""
+        """The request's block table (empty if it holds none); released
+        entries are the null block's id, 0."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def get_num_blocks(self, request_id: str) -> int:
+        """Entries in the request's block table, released ones included."""
         return len(self.req_to_blocks.get(request_id, ()))
+
+    def get_num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds: its table's entries less the released ones."""
+        return self.get_num_blocks(request_id) - self.num_released_blocks.get(request_id, 0)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Counters since the previous call; the internal counters restart at 0."""
@@ -181,7 +219,10 @@ class KVCacheManager:
 
         `new_computed_blocks` (prefix hits from `get_computed_blocks`, covering
         exactly `num_new_computed_tokens`) are referenced and appended first;
-        the rest is allocated fresh. Returns only the freshly allocated blocks
+        the rest is allocated fresh. With a sliding window, the blocks no
+        query from ``num_computed_tokens + num_new_computed_tokens`` on can
+        read are released first (hits among them are not referenced at
+        all), and count as supply. Returns only the freshly allocated blocks
         (possibly empty), or None — with no state changed — when the pool
         cannot supply them. Then registers in the prefix cache every block
         that the known tokens fill.
@@ -206,20 +247,34 @@ class KVCacheManager:
         num_to_allocate = (
             -(-num_needed_tokens // self.block_size) - num_held - len(hits)
         )
+        # Held blocks are released from the last release on; hits come only
+        # with an empty table, and those before the window are skipped.
+        first_needed = self._first_needed_block(num_computed)
+        num_released = self.num_released_blocks.get(req_id, 0)
+        to_release = req_blocks[num_released:first_needed] if req_blocks else []
+        kept_hits = hits[first_needed:]
 
         pool = self.block_pool
-        if num_to_allocate > 0 or hits:
+        if num_to_allocate > 0 or hits or to_release:
             # Free-but-cached hits sit in the free queue; touching removes them,
-            # so they cannot also count as supply for fresh blocks.
-            num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-            if num_to_allocate > pool.get_num_free_blocks() - num_evictable_hits:
+            # so they cannot also count as supply for fresh blocks. Released
+            # blocks no other request holds join that queue.
+            num_evictable_hits = sum(1 for b in kept_hits if b.ref_cnt == 0 and not b.is_null)
+            num_freed = sum(1 for b in to_release if b.ref_cnt == 1)
+            if num_to_allocate > pool.get_num_free_blocks() + num_freed - num_evictable_hits:
                 return None
             if req_blocks is None:
                 req_blocks = self.req_to_blocks[req_id] = []
+            if to_release:
+                self._release(request, req_blocks, first_needed)
             if hits:
                 # Touch before allocating so eviction cannot take the hit blocks.
-                pool.touch(hits)
-                req_blocks.extend(hits)
+                pool.touch(kept_hits)
+                num_skipped = len(hits) - len(kept_hits)
+                if num_skipped:
+                    req_blocks.extend([pool.null_block] * num_skipped)
+                    self.num_released_blocks[req_id] = num_skipped
+                req_blocks.extend(kept_hits)
                 # Hit blocks are already hashed; skip them when caching.
                 self.num_cached_blocks[req_id] = len(hits)
             new_blocks = pool.get_new_blocks(num_to_allocate) if num_to_allocate > 0 else []
@@ -229,12 +284,7 @@ class KVCacheManager:
 
         if self.enable_caching and req_blocks:
             # Only tokens whose ids are known can be hashed (lookahead slots are not).
-            num_full = min(num_needed_tokens, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_blocks.get(req_id, 0)
-            if num_full > num_cached:
-                hashes = self._update_block_hashes(request)
-                pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
-                self.num_cached_blocks[req_id] = num_full
+            self._cache_blocks(request, req_blocks, min(num_needed_tokens, request.num_tokens) // self.block_size)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -248,8 +298,10 @@ class KVCacheManager:
         req_id = request.request_id
         blocks = self.req_to_blocks.pop(req_id, None)
         if blocks:
+            # Released entries are the null block, which the pool skips.
             self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(req_id, None)
+        self.num_released_blocks.pop(req_id, None)
         self.req_to_block_hashes.pop(req_id, None)
         if self.offload is not None:
             self.offload.release(req_id)
@@ -264,6 +316,39 @@ class KVCacheManager:
         return True
 
     # ------------------------------------------------------------------ helpers
+
+    def _first_needed_block(self, num_computed: int) -> int:
+        """The first block a query at a position >= `num_computed` can read
+        (0 without a sliding window): the one holding num_computed - W + 1."""
+        if self.sliding_window is None:
+            return 0
+        return max(num_computed - self.sliding_window + 1, 0) // self.block_size
+
+    def _release(self, request: Request, req_blocks: list[KVCacheBlock], first_needed: int) -> None:
+        """Give the pool the request's blocks before `first_needed` that it
+        still holds, leaving the null block in their entries."""
+        req_id = request.request_id
+        start = self.num_released_blocks.get(req_id, 0)
+        if self.enable_caching:
+            # Register them first where their tokens are known (a block filled
+            # by accepted drafts is not yet): released, they stay hits.
+            self._cache_blocks(request, req_blocks, min(first_needed, request.num_tokens // self.block_size))
+        released = req_blocks[start:first_needed]
+        req_blocks[start:first_needed] = [self.block_pool.null_block] * len(released)
+        # Latest first, as `free` orders them: the head, which other
+        # requests share most, is evicted last.
+        self.block_pool.free_blocks(reversed(released))
+        self.num_released_blocks[req_id] = first_needed
+
+    def _cache_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
+        """Register the request's blocks up to `num_full` (whose tokens are
+        known and scheduled) in the prefix cache; released entries are skipped."""
+        req_id = request.request_id
+        num_cached = self.num_cached_blocks.get(req_id, 0)
+        if num_full > num_cached:
+            hashes = self._update_block_hashes(request)
+            self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+            self.num_cached_blocks[req_id] = num_full
 
     def _update_block_hashes(self, request: Request) -> list[BlockHash]:
         """Extend the request's hash list to cover all its currently full blocks.

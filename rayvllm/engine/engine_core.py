@@ -54,6 +54,7 @@ from rayvllm.messages.errors import EngineDeadError, InvalidParameterError, Step
 from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.messages.weight_update import WeightUpdateInfo
+from rayvllm.models.honoured import kv_window, layer_windows
 from rayvllm.spec_decode.eligibility import can_speculate
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,20 @@ BACKGROUND_UTILITIES = frozenset({"init_weight_transfer_engine"})
 # one holds them.
 CORE_ONLY_UTILITIES = frozenset({"reset_prefix_cache", "pause_scheduling", "resume_scheduling", "is_sleeping"})
 SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def released_kv_window(config: EngineConfig) -> int | None:
+    """The window behind which the schedulers release each request's KV
+    blocks (CacheConfig.sliding_window): the model's, where every layer
+    has one (`kv_window`). None with a draft model, which shares the
+    target's blocks and catches up from a request's start
+    (spec_decode/draft_proposer.py), writing the positions a window left
+    behind."""
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        return None
+    return kv_window(layer_windows(config.model_config.hf_config))
+
 
 @dataclass
 class _InflightStep:
@@ -121,6 +136,7 @@ class EngineCore:
                 f"({needed - 1}); raise the KV cache budget or lower max_model_len"
             )
         config.cache_config.num_blocks = num_blocks
+        config.cache_config.sliding_window = released_kv_window(config)
         # Pipeline stages each hold a step; async scheduling keeps the next
         # step queued on the workers while the current one runs.
         self.max_inflight = max(pc.pipeline_parallel_size, 2 if config.scheduler_config.async_scheduling else 1)

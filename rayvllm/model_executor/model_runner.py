@@ -56,7 +56,7 @@ from rayvllm.model_executor.pooler import Pooler
 from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.model_executor.sampler import Sampler
 from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
-from rayvllm.models.honoured import layer_windows
+from rayvllm.models.honoured import kv_window, layer_windows
 from rayvllm.models.llama import LlamaForCausalLM
 from rayvllm.models.loader import build_model, iterate_weights
 
@@ -151,6 +151,8 @@ class ModelRunner:
         # Asleep at level 1 on a GPU: the weights wait in host memory.
         self.weights_on_host = False
         self.cuda_graphs: CudaGraphRunner | None = None
+        # How far back any layer reads a query's keys, known once the models are (`kv_window`).
+        self.kv_window: int | None = None
 
     # ---- setup -------------------------------------------------------------------
 
@@ -164,6 +166,8 @@ class ModelRunner:
         )
         for ext in self.extensions:
             ext.load_model(ctx)
+        # The scheduler may release blocks behind a window: the torch path must not gather them.
+        self.kv_window = kv_window(layer.window for model in self._kv_models() for layer in model.attention_layers())
 
     def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
         return build_model(
@@ -521,12 +525,14 @@ class ModelRunner:
             start, q_len = int(plan.starts[i]), int(plan.q_lens[i])
             ctx = start + q_len
             block_ids = mask = None
+            # Keys from the first query's window on, whole blocks: those before may be released.
+            first = 0 if self.kv_window is None else max(start - self.kv_window + 1, 0) // bs
             if start > 0:
-                block_ids = torch.from_numpy(batch.block_table[rows[i], : -(-ctx // bs)].copy())
-                pos = np.arange(ctx)
+                block_ids = torch.from_numpy(batch.block_table[rows[i], first : -(-ctx // bs)].copy())
+                pos = np.arange(first * bs, ctx)
                 mask = torch.from_numpy(pos[None, :] <= (start + np.arange(q_len))[:, None])
             metadata.prefills.append(
-                PrefillSeq(int(plan.cu_q[i]), int(plan.cu_q[i + 1]), ctx, block_ids, mask)
+                PrefillSeq(int(plan.cu_q[i]), int(plan.cu_q[i + 1]), ctx - first * bs, block_ids, mask)
             )
         return metadata
 

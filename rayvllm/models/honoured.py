@@ -13,6 +13,7 @@ does (its defaults included where they decide: Qwen2's window is off unless
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,18 @@ def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
             "model", "config.json's layer_types names sliding_attention and sliding_window is unset"
         )
     return [int(window) if w else None for w in windowed]
+
+
+def kv_window(windows: Iterable[int | None]) -> int | None:
+    """How many of a sequence's latest keys any of these layers (all that
+    share one block table) can still read: the largest window where every
+    layer has one, else None (some layer attends to every key, so no key
+    ever stops being read). A query at position p then reads nothing
+    before p - kv_window + 1, in any layer."""
+    found = list(windows)
+    if not found or None in found:
+        return None
+    return max(w for w in found if w is not None)
 
 
 def layer_rope(cfg: dict[str, Any], window: int | None) -> tuple[float, dict[str, Any]]:

@@ -40,8 +40,9 @@ class Scheduler:
     """Owns the request queues and, through `KVCacheManager`, the KV blocks.
 
     Invariants: a request is in exactly one of `waiting` / `loading` /
-    `running` until it finishes; every running request holds blocks for all its computed tokens;
-    `len(running) <= max_num_seqs`.
+    `running` until it finishes; every running request holds blocks for all its computed tokens
+    that a later query can read (with `cache_config.sliding_window`, those within the window of its
+    next token: see KVCacheManager); `len(running) <= max_num_seqs`.
 
     Pipelining (`max_inflight_steps > 1`): several scheduled steps may be
     on the workers at once. A request in flight is never preempted (its
@@ -96,6 +97,7 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             listener=listener,
             kv_tier=kv_tier,
+            sliding_window=cache_config.sliding_window,
         )
         # Ranks that do not sample need the sampled tokens in the next step.
         self.send_token_ids = send_token_ids
