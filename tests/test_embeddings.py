@@ -32,6 +32,9 @@ SPECS = {
         arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, seed=33
     ),
     "olmo2": RandomModelSpec(arch="olmo2", num_attention_heads=4, num_key_value_heads=2, norm_weight_std=0.3, seed=34),
+    # Windowed layers (8 keys: the long prompts run past them) and soft-capped attention.
+    "gemma2": RandomModelSpec(arch="gemma2", num_hidden_layers=3, norm_weight_std=0.2, seed=35,
+                              extra={"sliding_window": 8, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 24}),
 }
 # A 32-token budget chunks every long prompt over several steps.
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks_override=17, max_num_seqs=8)

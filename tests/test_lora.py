@@ -23,7 +23,7 @@ from rayvllm.messages.request import EngineCoreRequest
 from rayvllm.utils.random_model import RandomModelSpec, build_random_model
 
 from hf_oracle import NUM_NEW
-from lora_oracle import build_adapter, peft_greedy
+from lora_oracle import ALL_TARGETS, build_adapter, peft_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
@@ -164,14 +164,16 @@ def test_adapters_the_engine_cannot_run_are_refused(
     assert out.outputs[0].token_ids == peft_greedy(tiny_model_dir, adapters["a"], prompt["prompt_token_ids"])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "gemma2", "gemma3", "phi3"])
 def test_biases_and_qk_norms_around_adapters_match_peft(arch: str, tmp_path: Path) -> None:
     """Q/K/V biases (Qwen2), per-head q/k norms (Qwen3), q/k norms over
     all heads with norms after each sublayer (OLMo 2), and Gemma's norms on
-    both sides, GeGLU and soft caps (Gemma 2 and 3) around the adapted projections."""
+    both sides, GeGLU and soft caps (Gemma 2 and 3) around the adapted
+    projections; Phi-3's adapters target its fused q/k/v and gate/up whole."""
     extra = {"attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 24} if arch == "gemma2" else {}
     model = build_random_model(tmp_path / arch, RandomModelSpec(arch=arch, head_dim=32, seed=7, extra=extra))
-    adapter = build_adapter(model, tmp_path / "adapter", seed=8, rank=8)
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if arch == "phi3" else ALL_TARGETS
+    adapter = build_adapter(model, tmp_path / "adapter", seed=8, rank=8, targets=targets)
     llm = LLM(model=str(model), dtype="float32", enable_lora=True, max_lora_rank=8)
     prompts = _prompts(6, 2)
     loras = [LoRARequest("x", 1, str(adapter)), None]

@@ -46,6 +46,13 @@ def test_ray_path_mixed_adapters_match_peft(
     # Two slots for three adapters: the third waits for a slot and reloads one.
     llm = LLM(model=str(tiny_model_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
               **sizes)
+    _assert_greedy_matches_peft(llm, tiny_model_dir, prompts, loras)
+
+
+def _assert_greedy_matches_peft(
+    llm: LLM, model: Path, prompts: list[list[int]], loras: list[LoRARequest | None]
+) -> None:
+    """Greedy tokens of each prompt under its adapter equal transformers + PEFT's; shuts `llm` down."""
     try:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
@@ -55,5 +62,19 @@ def test_ray_path_mixed_adapters_match_peft(
     finally:
         llm.shutdown()
     for prompt, lora, out in zip(prompts, loras, outs):
-        expected = peft_greedy(tiny_model_dir, Path(lora.lora_path) if lora else None, prompt)
-        assert out.outputs[0].token_ids == expected, lora
+        assert out.outputs[0].token_ids == peft_greedy(model, Path(lora.lora_path) if lora else None, prompt), lora
+
+
+def test_fused_phi3_adapter_under_tensor_parallelism(ray_local: None, tmp_path: Path) -> None:
+    """Phi-3's adapters target its fused q/k/v and gate/up: each TP rank
+    takes its rows of every shard of B, as it takes the base weight's."""
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
+
+    model = build_random_model(tmp_path / "phi3", RandomModelSpec(arch="phi3", seed=9))
+    adapter = build_adapter(model, tmp_path / "adapter", seed=10, rank=8,
+                            targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    rng = random.Random(6)
+    loras = [LoRARequest("p", 1, str(adapter)), None]
+    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(4, 40))] for _ in loras]
+    llm = LLM(model=str(model), dtype="float32", enable_lora=True, max_lora_rank=8, tensor_parallel_size=2)
+    _assert_greedy_matches_peft(llm, model, prompts, loras)

@@ -47,6 +47,13 @@ SPECS = {
     ),
     # Phi-3: its checkpoint fuses q/k/v and gate/up.
     "phi3": RandomModelSpec(arch="phi3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, seed=8),
+    # Phi-3's LongRoPE (per-frequency short factors, cos and sin scaled), served up to its original context.
+    "phi3-longrope": RandomModelSpec(
+        arch="phi3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, seed=9,
+        max_position_embeddings=1024, extra={"original_max_position_embeddings": 256},
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(16)],
+                      "long_factor": [4.0 + 0.2 * i for i in range(16)]},
+    ),
     # OLMo 2: norms after each sublayer, q/k normed over all heads. Norm weights away from 1, so that one
     # loaded into the wrong rows changes the tokens; an explicit head_dim (48, not 128 / 4).
     "olmo2-gqa": RandomModelSpec(

@@ -22,7 +22,7 @@ from rayvllm.model_executor.extension_context import (
     SampleContext,
 )
 from rayvllm.model_executor.model_runner import ModelRunner
-from rayvllm.models.llama import LlamaForCausalLM
+from rayvllm.models.interface import CausalLM
 from rayvllm.worker import extensions
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rayvllm"
@@ -82,7 +82,7 @@ class _Recorder(ModelRunnerExtension):
     def load_model(self, ctx: ModelLoadContext) -> None:
         self.calls.append(("load_model", (ctx.model, ctx.dtype, ctx.device), ctx))
 
-    def kv_cache_models(self) -> list[LlamaForCausalLM]:
+    def kv_cache_models(self) -> list[CausalLM]:
         self.calls.append(("kv_cache_models", None, None))
         return []
 

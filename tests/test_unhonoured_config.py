@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from rayvllm.layers.layernorm import RMSNorm
+from rayvllm.config import ModelConfig
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from rayvllm.models.honoured import Honours, check_honoured, kv_window, layer_rope, layer_windows, unhonoured
@@ -136,3 +137,16 @@ def test_a_norm_eps_left_out_is_olmo2s_default() -> None:
     norms = [m for m in Olmo2ForCausalLM(config, torch.float32).modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 4 * 4 + 1  # per layer: q, k, post-attention, post-feedforward; the final norm
     assert {norm.eps for norm in norms} == {transformers.Olmo2Config().rms_norm_eps}
+
+
+def test_longrope_is_served_only_within_its_original_context() -> None:
+    """Phi-3's LongRoPE switches to its long factors past
+    original_max_position_embeddings: max_model_len defaults to that
+    length, and a longer one is refused by name."""
+    config = _config(transformers.Phi3Config, max_position_embeddings=1024, original_max_position_embeddings=256,
+                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})
+    assert unhonoured(config) == []
+    assert ModelConfig.from_path("m", None, "float32", None, 0, "cpu", hf_config=config).max_model_len == 256
+    with pytest.raises(InvalidParameterError, match="original_max_position_embeddings") as refused:
+        ModelConfig.from_path("m", None, "float32", 512, 0, "cpu", hf_config=config)
+    assert refused.value.param == "max_model_len"

@@ -7,6 +7,7 @@ the engine reads user input any other way.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -32,6 +33,8 @@ CPU_KV_CACHE_SPACE_ENV = "RAYVLLM_CPU_KVCACHE_SPACE"
 RUNNER_TYPES = ("generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN")
 
+logger = logging.getLogger(__name__)
+
 
 def read_hf_config(model: str) -> dict:
     """The parsed config.json of a model directory."""
@@ -39,6 +42,19 @@ def read_hf_config(model: str) -> dict:
     if not config_path.exists():
         raise InvalidParameterError("model", f"no config.json in {model!r}")
     return json.loads(config_path.read_text())
+
+
+def rope_length_limit(hf_config: dict) -> int | None:
+    """The longest sequence served with the model's RoPE exactly as
+    transformers computes it (None: no limit short of the model's own).
+    LongRoPE (Phi-3's rope_type longrope) rotates with its short factors
+    up to `original_max_position_embeddings` and switches every position of
+    a forward pass to its long factors past it, so beyond that length a
+    key's rotation depends on which pass computed it."""
+    rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    return int(rope.get("original_max_position_embeddings") or hf_config["original_max_position_embeddings"])
 
 
 def is_pooling_only(hf_config: dict) -> bool:
@@ -133,6 +149,13 @@ class ModelConfig:
         if hf_config is None:
             hf_config = read_hf_config(model)
         derived = int(hf_config.get("max_position_embeddings", 2048))
+        limit = rope_length_limit(hf_config)
+        if max_model_len is None and limit is not None and limit < derived:
+            logger.info(
+                "max_model_len %d (not max_position_embeddings %d): the model's LongRoPE is served exactly only up "
+                "to original_max_position_embeddings", limit, derived,
+            )
+            derived = limit
         if max_model_len is None:
             max_model_len = derived
         return cls(
@@ -150,6 +173,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        limit = rope_length_limit(self.hf_config)
+        if limit is not None and self.max_model_len > limit:
+            raise InvalidParameterError(
+                "max_model_len", f"{self.max_model_len} exceeds the model's original_max_position_embeddings "
+                f"({limit}), past which its LongRoPE (rope_type longrope) changes factors mid-sequence: each key's "
+                "rotation then depends on which forward pass computed it, which batching and chunked prefill "
+                f"change, so tokens would differ from transformers'; refused rather than served so (at most {limit})",
+            )
         if self.runner_type not in RUNNER_TYPES:
             raise InvalidParameterError("runner", f"must be one of {', '.join(RUNNER_TYPES)}, got {self.runner_type!r}")
         if (self.pooler_config is not None) != self.is_pooling:

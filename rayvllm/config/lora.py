@@ -9,6 +9,10 @@ from rayvllm.messages.errors import InvalidParameterError
 
 # The Llama family's projections an adapter may target (HF module names).
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What stands for q/k/v and gate/up in a model whose checkpoint fuses them
+# (these model types'), so that its adapters target them whole.
+FUSED_TARGET_MODULES = ("qkv_proj", "gate_up_proj")
+FUSED_MODEL_TYPES = ("phi3",)
 
 
 @dataclass

@@ -33,10 +33,13 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the decoder's pre-norm
-        pattern. The C kernel updates `residual` in place and returns it."""
+        pattern; with no residual yet (the first layer), (norm(x), x). The
+        C kernel updates `residual` in place and returns it."""
+        if residual is None:
+            return self.forward(x), x
         if self.use_triton_kernel:
             from rayvllm.kernels import triton_fused
 

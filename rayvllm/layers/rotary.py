@@ -19,7 +19,24 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "longrope":
+        # Within its original context (the engine serves no further:
+        # config.rope_length_limit) LongRoPE divides each frequency by its short factor.
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+
+
+def attention_scaling(scaling: dict | None) -> float:
+    """The factor LongRoPE multiplies cos and sin by (1 for the other
+    kinds): its `attention_factor`, else sqrt(1 + ln(factor) / ln(original
+    context)), `factor` defaulting to the ratio of the context lengths."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or scaling["max_position_embeddings"] / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -49,8 +66,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        scale = attention_scaling(scaling)
+        self.register_buffer("cos", (freqs.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(dtype), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -21,7 +21,7 @@ from rayvllm.lora.layers import LoRALinear, LoRAStep
 from rayvllm.lora.peft_adapter import PeftAdapter, load_adapter
 from rayvllm.messages.lora_request import LoRARequest
 from rayvllm.messages.scheduler_output import SchedulerOutput
-from rayvllm.models.llama import LlamaForCausalLM
+from rayvllm.models.interface import CausalLM
 
 # HF projection -> (our fused projection, its slice index).
 _TARGETS = {
@@ -32,6 +32,9 @@ _TARGETS = {
     "gate_proj": ("mlp.gate_up_proj", 0),
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
+    # A fused checkpoint's projections (Phi-3), each adapted whole in one slice.
+    "qkv_proj": ("self_attn.qkv_proj", 0),
+    "gate_up_proj": ("mlp.gate_up_proj", 0),
 }
 _SLICES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 
@@ -42,11 +45,13 @@ class LoRAModelManager:
     `max_cpu_loras` adapters, least recently used first."""
 
     def __init__(
-        self, model: LlamaForCausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
+        self, model: CausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
         to_device: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """`to_device`: the runner's upload of a step's host tensors."""
         self.model = model
+        # A checkpoint projection's shard of the layer stacking it (q_proj -> "q").
+        self.shard_ids = {checkpoint: shard for _, checkpoint, shard in model.stacked_params}
         self.to_device = to_device
         self.config = config
         self.dtype = dtype
@@ -121,15 +126,19 @@ class LoRAModelManager:
     def _shard(
         self, local_layer: int, module: str, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's share of one projection's A and B, as the base
-        weight is sliced: output rows of B (column-parallel), input columns
-        of A (row-parallel); and the output row where B's slice lands."""
-        kind = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        _, rows, cols = self.model.shard_of(f"layers.{local_layer}.{kind}.{module}.weight")
+        """This rank's share of one projection's A and B, as the base layer
+        slices its weight (layers/linear.py): output rows of B (its shard of
+        a column-parallel layer), input columns of A (row-parallel); and the
+        output row where B's slice lands."""
+        base = self.layers[local_layer][_TARGETS[module][0]].base
         row_start = 0
-        if rows is not None:
-            row_start, src, count = rows
-            b = b[src : src + count]
-        if cols is not None:
-            a = a[:, cols[0] : cols[1]]
+        if base.shards:
+            # A fused projection (no shard id) takes every shard's rows; the
+            # layer holds them one after another, in the checkpoint's order.
+            shard = self.shard_ids.get(module)
+            pieces = [base.shards[shard]] if shard is not None else list(base.shards.values())
+            starts = [p.src + (p.fused if shard is None else 0) for p in pieces]
+            row_start, b = pieces[0].dst, torch.cat([b[s : s + p.count] for s, p in zip(starts, pieces)])
+        if base.input_cols is not None:
+            a = a[:, base.input_cols[0] : base.input_cols[1]]
         return a.to(self.device, self.dtype), b.to(self.device, self.dtype), row_start

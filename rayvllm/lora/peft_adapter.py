@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
-from rayvllm.config.lora import SUPPORTED_TARGET_MODULES, LoRAConfig
+from rayvllm.config.lora import FUSED_MODEL_TYPES, FUSED_TARGET_MODULES, SUPPORTED_TARGET_MODULES, LoRAConfig
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.messages.lora_request import LoRARequest
 
@@ -73,13 +73,13 @@ def _read_config(request: LoRARequest) -> dict:
 
 
 def _expected_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
-    """(out, in) of each supported projection of the base model."""
+    """(out, in) of each projection of the base model an adapter may target."""
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     head_dim = int(hf_config.get("head_dim") or hidden // heads)
     inter = int(hf_config["intermediate_size"])
-    return {
+    separate = {
         "q_proj": (heads * head_dim, hidden),
         "k_proj": (kv_heads * head_dim, hidden),
         "v_proj": (kv_heads * head_dim, hidden),
@@ -88,6 +88,13 @@ def _expected_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
         "up_proj": (inter, hidden),
         "down_proj": (hidden, inter),
     }
+    assert tuple(separate) == SUPPORTED_TARGET_MODULES
+    if hf_config.get("model_type") not in FUSED_MODEL_TYPES:
+        return separate
+    fused = {"qkv_proj": ((heads + 2 * kv_heads) * head_dim, hidden), "gate_up_proj": (2 * inter, hidden)}
+    assert tuple(fused) == FUSED_TARGET_MODULES
+    stacked = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    return {name: shape for name, shape in {**separate, **fused}.items() if name not in stacked}
 
 
 def check_adapter(request: LoRARequest, lora_config: LoRAConfig, hf_config: dict) -> int:
@@ -110,10 +117,9 @@ def check_adapter(request: LoRARequest, lora_config: LoRAConfig, hf_config: dict
         keys = list(f.keys())
         for key in keys:
             match = _KEY.match(key)
-            if match is None or match.group(3) not in SUPPORTED_TARGET_MODULES:
+            if match is None or match.group(3) not in shapes:
                 raise InvalidParameterError(
-                    _field(request),
-                    f"targets {key!r}; the model's LoRA target modules are {', '.join(SUPPORTED_TARGET_MODULES)}",
+                    _field(request), f"targets {key!r}; the model's LoRA target modules are {', '.join(shapes)}",
                 )
             layer, module, which = int(match.group(1)), match.group(3), match.group(4)
             if layer >= num_layers:

@@ -33,7 +33,7 @@ from rayvllm.model_executor.extension_context import (
     PrepareInputsContext,
     SampleContext,
 )
-from rayvllm.models.llama import LlamaForCausalLM
+from rayvllm.models.interface import CausalLM
 
 
 class ModelRunnerExtension:
@@ -47,7 +47,7 @@ class ModelRunnerExtension:
     def load_model(self, ctx: ModelLoadContext) -> None:
         """After the target model is loaded, before the KV cache is sized."""
 
-    def kv_cache_models(self) -> list[LlamaForCausalLM]:
+    def kv_cache_models(self) -> list[CausalLM]:
         """Models (loaded in `load_model`) whose KV this rank caches in the
         target's blocks: their layers count in a block's size and get
         caches of their own, bound after the target's."""

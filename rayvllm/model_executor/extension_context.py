@@ -13,12 +13,12 @@ import torch
 from rayvllm.messages.engine_types import SpecDecodeOutput
 from rayvllm.messages.scheduler_output import SchedulerOutput
 from rayvllm.model_executor.input_batch import CachedRequestState
-from rayvllm.models.llama import LlamaForCausalLM
+from rayvllm.models.interface import CausalLM
 
 # (model, states, starts, q_lens) -> hidden states of `model` at the last of
 # each request's positions [start, start + q_len), whose tokens are in the
 # persistent batch; one row per state, in their order.
-ForwardPositions = Callable[[LlamaForCausalLM, list[CachedRequestState], np.ndarray, np.ndarray], torch.Tensor]
+ForwardPositions = Callable[[CausalLM, list[CachedRequestState], np.ndarray, np.ndarray], torch.Tensor]
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ModelLoadContext:
     model sharing the caches must be loaded the same way. `to_device`:
     the runner's upload of host tensors (pinned, non-blocking on CUDA)."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     dtype: torch.dtype
     device: torch.device
     fused_kv_write: bool

@@ -57,7 +57,7 @@ from rayvllm.model_executor.prompt_logprobs import compute_prompt_logprobs
 from rayvllm.model_executor.sampler import Sampler
 from rayvllm.model_executor.sampling_metadata import RequestSamplingState, build_sampling_metadata
 from rayvllm.models.honoured import kv_window, layer_windows
-from rayvllm.models.llama import LlamaForCausalLM
+from rayvllm.models.interface import CausalLM
 from rayvllm.models.loader import build_model, iterate_weights
 
 @dataclass
@@ -145,7 +145,7 @@ class ModelRunner:
             raise InvalidParameterError(
                 "deterministic", "needs the CPU's C attention and GEMM kernels, which are not available here"
             )
-        self.model: LlamaForCausalLM | None = None
+        self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         # Asleep at level 1 on a GPU: the weights wait in host memory.
@@ -169,7 +169,7 @@ class ModelRunner:
         # The scheduler may release blocks behind a window: the torch path must not gather them.
         self.kv_window = kv_window(layer.window for model in self._kv_models() for layer in model.attention_layers())
 
-    def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+    def _build_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> CausalLM:
         return build_model(
             self.model_config.hf_config,
             self.dtype,
@@ -228,7 +228,7 @@ class ModelRunner:
                 raise InvalidParameterError("tags", "wake the weights before the KV cache (or sync new weights)")
             self.initialize_kv_cache(self.num_blocks)
 
-    def _kv_models(self) -> list[LlamaForCausalLM]:
+    def _kv_models(self) -> list[CausalLM]:
         """Models whose KV this rank caches in the same blocks: the target,
         then those of its extensions (a draft model)."""
         assert self.model is not None
@@ -663,7 +663,7 @@ class ModelRunner:
         return token_ids, out.logprobs.tolists() if out.logprobs is not None else None
 
     def forward_positions(
-        self, model: LlamaForCausalLM, states: list[CachedRequestState], starts: np.ndarray, q_lens: np.ndarray
+        self, model: CausalLM, states: list[CachedRequestState], starts: np.ndarray, q_lens: np.ndarray
     ) -> torch.Tensor:
         """Hidden states of `model` (a draft model with its own KV caches,
         run on this rank alone) at the last of each request's positions

@@ -54,11 +54,7 @@ class GemmaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.forward_with_residual(x, residual)
+        x, residual = self.input_layernorm.forward_with_residual(x, residual)
         x = self.post_attention_layernorm(self.self_attn(positions, x, metadata))
         x, residual = self.pre_feedforward_layernorm.forward_with_residual(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual

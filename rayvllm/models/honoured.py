@@ -20,7 +20,7 @@ from typing import Any
 from rayvllm.messages.errors import InvalidParameterError
 
 # Rope variants the rotary layer computes (layers/rotary.py).
-HONOURED_ROPE_TYPES = (None, "default", "linear", "llama3")
+HONOURED_ROPE_TYPES = (None, "default", "linear", "llama3", "longrope")
 # Model types whose window applies only with `use_sliding_window` (transformers' Qwen2/Qwen3 configs).
 _WINDOW_BY_FLAG = ("qwen2", "qwen3")
 # Model types whose config.json may give no `layer_types` (checkpoints saved
@@ -93,6 +93,10 @@ def layer_rope(cfg: dict[str, Any], window: int | None) -> tuple[float, dict[str
     if set(rope) & set(_LAYER_KINDS):
         rope = rope.get("sliding_attention" if window is not None else "full_attention") or {}
         return float(rope.get("rope_theta", 10000.0)), rope
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        # Its scaling reads the context lengths, which the config may keep beside it.
+        lengths = ("original_max_position_embeddings", "max_position_embeddings")
+        rope = {**rope, **{name: rope.get(name) or cfg.get(name) for name in lengths}}
     return float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))), rope
 
 
@@ -135,7 +139,7 @@ def unhonoured(cfg: dict[str, Any], honours: Honours = Honours()) -> list[str]:
     for rope in _rope_settings(cfg):
         kind = rope.get("rope_type", rope.get("type"))
         if kind not in HONOURED_ROPE_TYPES:
-            found.append(f"rope type {kind!r} (honoured: default, linear, llama3)")
+            found.append(f"rope type {kind!r} (honoured: default, linear, llama3, longrope)")
         partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
             found.append(f"partial_rotary_factor={partial}")

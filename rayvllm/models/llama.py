@@ -28,7 +28,7 @@ from rayvllm.kernels import cpu_ops, gemm_select
 from rayvllm.kernels.metadata import AttentionMetadata
 from rayvllm.layers.attention import Attention
 from rayvllm.layers.layernorm import RMSNorm
-from rayvllm.layers.linear import Linear, RowParallelLinear
+from rayvllm.layers.linear import Linear, RowParallelLinear, RowSlice
 from rayvllm.layers.rotary import RotaryEmbedding
 from rayvllm.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from rayvllm.messages.errors import InvalidParameterError
@@ -89,8 +89,16 @@ class LlamaAttention(nn.Module):
             self.kv_head_start = ctx.tp_rank // (ctx.tp_size // total_kv)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bool(cfg.get("attention_bias", False)), ctx)
+        q_src, kv_src = self.q_head_start * self.head_dim, self.kv_head_start * self.head_dim
+        q_rows, kv_rows = total_heads * self.head_dim, total_kv * self.head_dim
+        q, kv = self.q_size, self.kv_size
+        self.qkv_proj = Linear(hidden, q + 2 * kv, bias=qkv_bias, shards={
+            "q": RowSlice(0, q_src, q), "k": RowSlice(q, kv_src, kv, fused=q_rows),
+            "v": RowSlice(q + kv, kv_src, kv, fused=q_rows + kv_rows),
+        })
+        self.o_proj = RowParallelLinear(
+            q, hidden, bool(cfg.get("attention_bias", False)), ctx, (q_src, q_src + q) if ctx.tp_size > 1 else None
+        )
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -146,8 +154,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.activation = activation
         self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = RowParallelLinear(intermediate, hidden, False, ctx)
+        src = ctx.tp_rank * intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, shards={
+            "gate": RowSlice(0, src, intermediate), "up": RowSlice(intermediate, src, intermediate,
+                                                                   fused=intermediate * ctx.tp_size),
+        })
+        self.down_proj = RowParallelLinear(
+            intermediate, hidden, False, ctx, (src, src + intermediate) if ctx.tp_size > 1 else None
+        )
         self.use_c_kernel = False
         self.use_triton_kernel = False
 
@@ -189,11 +203,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.forward_with_residual(x, residual)
+        x, residual = self.input_layernorm.forward_with_residual(x, residual)
         x = self.self_attn(positions, x, metadata)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
@@ -217,6 +227,13 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     # What the family's layers do beyond Llama's (models/honoured.py).
     honours = Honours()
+    # (our parameter, the checkpoint's projection, its shard id): projections
+    # a checkpoint stores apart and the layers stack into one matmul; a
+    # checkpoint that stores the stacked tensor itself (Phi-3) loads it whole.
+    stacked_params: tuple[tuple[str, str, str], ...] = (
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", "gate"), ("gate_up_proj", "up_proj", "up"),
+    )
     # Built as (cfg, qkv_bias, qk_norm, dtype, ctx, window, multipliers);
     # `forward(positions, x, residual, metadata)` -> (x, residual), where
     # the hidden state is x + residual (x alone before the first layer); it
@@ -343,25 +360,31 @@ class LlamaForCausalLM(nn.Module):
             if local == "embed_tokens.weight" or local == "lm_head.weight":
                 self._load_vocab(local, tensor, loaded)
                 continue
-            target, rows, cols = self.shard_of(local)
+            target, shard = self.param_of(local)
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
-            param = params[target]
-            if cols is not None:
-                tensor = tensor[:, cols[0] : cols[1]]
+            # The module owning the parameter slices its rank's share (layers/linear.py); others hold it whole.
+            loader = getattr(self.get_submodule(target.rpartition(".")[0]), "weight_loader", None)
             with torch.no_grad():
-                if rows is None:
-                    param.copy_(tensor)
+                if loader is None:
+                    params[target].copy_(tensor)
                 else:
-                    param[rows[0] : rows[0] + rows[2]].copy_(tensor[rows[1] : rows[1] + rows[2]])
+                    loader(params[target], tensor, shard)
             loaded.add(target)
         return loaded
 
+    def param_of(self, name: str) -> tuple[str, str | None]:
+        """A checkpoint tensor's name (layer index local) -> the parameter it
+        loads into and the shard of it that it fills (None: all of it, or
+        every shard of a fused tensor)."""
+        for param, checkpoint, shard in self.stacked_params:
+            if f".{checkpoint}." in name:
+                return name.replace(f".{checkpoint}.", f".{param}."), shard
+        return name, None
+
     def remapped(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors as Llama's layers take them, under its
-        names (q/k/v_proj, gate/up_proj), which `shard_of` slices per rank:
-        a family whose checkpoint fuses projections splits them here, one
-        whose norms scale by 1 + weight adds the 1."""
+        """The checkpoint's tensors as the family's layers take them (Gemma's
+        norms scale by 1 + weight: it adds the 1)."""
         return weights
 
     def _local_name(self, name: str) -> str | None:
@@ -392,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
         rest: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
             local = self._local_name(name)
-            module = None if local is None else self.shard_of(local)[0].rpartition(".")[0]
+            module = None if local is None else self.param_of(local)[0].rpartition(".")[0]
             (by_module[module] if module in by_module else rest).append((name, tensor))
         params: dict[str, torch.Tensor] = dict(self.named_parameters())
         loaded = self._load_into(params, rest)
@@ -422,32 +445,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.load_full(tensor)
             loaded.add("lm_head.weight")
 
-    def shard_of(self, name: str) -> tuple[str, tuple[int, int, int] | None, tuple[int, int] | None]:
-        """HF name (layer index local) -> (our parameter, rows (dst start,
-        src start, count) or None for all, input columns `[start, end)` to
-        keep or None). LoRA slices adapters by it too (lora/model_manager.py)."""
-        if not self.layers:
-            return name, None, None
-        attn = self.layers[0].self_attn
-        hd, tp = attn.head_dim, self.parallel.tp_size
-        q, kv = attn.q_size, attn.kv_size
-        q_src, kv_src = attn.q_head_start * hd, attn.kv_head_start * hd
-        for proj, dst, src, n in (
-            ("q_proj", 0, q_src, q), ("k_proj", q, kv_src, kv), ("v_proj", q + kv, kv_src, kv)
-        ):
-            if f".self_attn.{proj}." in name:
-                return name.replace(proj, "qkv_proj"), (dst, src, n), None
-        inter = self.layers[0].mlp.intermediate
-        inter_src = self.parallel.tp_rank * inter
-        for proj, dst in (("gate_proj", 0), ("up_proj", inter)):
-            if f".mlp.{proj}." in name:
-                return name.replace(proj, "gate_up_proj"), (dst, inter_src, inter), None
-        if tp > 1 and name.endswith("o_proj.weight"):
-            return name, None, (q_src, q_src + q)
-        if tp > 1 and name.endswith("down_proj.weight"):
-            return name, None, (inter_src, inter_src + inter)
-        return name, None, None
-
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
@@ -460,22 +457,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3: Llama's layers, its checkpoint's q/k/v and gate/up fused."""
-
-    def remapped(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        cfg = self.cfg
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        q_rows, kv_rows = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
-        for name, tensor in weights:
-            if name.endswith("self_attn.qkv_proj.weight"):
-                q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
-                yield from ((name.replace("qkv_proj", p), t) for p, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
-            elif name.endswith("mlp.gate_up_proj.weight"):
-                gate, up = tensor.chunk(2)
-                yield from ((name.replace("gate_up_proj", p), t) for p, t in (("gate_proj", gate), ("up_proj", up)))
-            else:
-                yield name, tensor
+    """Phi-3: Llama's layers; its checkpoint's fused q/k/v and gate/up
+    tensors load whole (each rank's `Linear` takes its rows of every shard)."""
 
 
 @dataclass(frozen=True)

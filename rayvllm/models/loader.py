@@ -15,12 +15,14 @@ from rayvllm.kernels import cpu_ops
 from rayvllm.kernels.backends import fused_gpu_kernels_apply
 from rayvllm.messages.errors import InvalidParameterError
 from rayvllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from rayvllm.models.interface import CausalLM, CausalLMClass
 from rayvllm.models.llama import (
     GraniteForCausalLM, LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
 )
 from rayvllm.models.olmo2 import Olmo2ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+# HF architecture name -> the family's class (adding a family: docs/ARCHITECTURE.md, "Models").
+MODEL_REGISTRY: dict[str, CausalLMClass] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -33,7 +35,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def _model_class(arch: str) -> type[LlamaForCausalLM] | None:
+def _model_class(arch: str) -> CausalLMClass | None:
     """A registered architecture, or the bare decoder of one (`Qwen2Model`:
     the same layers without LM head, whose weights lack the "model."
     prefix), which the pooling runner loads as its model without LM head."""
@@ -98,7 +100,7 @@ def load_model(
     fused_kv_write: bool = True,
     with_lm_head: bool = True,
     batch_invariant: bool = False,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """This rank's part of the model (all of it without `parallel`), from
     the checkpoint in `model_dir` (`build_model` says the rest)."""
     weights = iterate_weights(Path(model_dir), dtype)
@@ -114,7 +116,7 @@ def build_model(
     fused_kv_write: bool = True,
     with_lm_head: bool = True,
     batch_invariant: bool = False,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """This rank's part of the model, its parameters taken from `weights`
     (HF names and full shapes; each rank slices its part).
 

@@ -41,11 +41,19 @@ class ShardedRMSNorm(RMSNorm):
     heads (KV heads replicated when tp_size exceeds their count) adds zero
     (`counted` False)."""
 
-    def __init__(self, size: int, full_size: int, eps: float, ctx: ParallelContext, counted: bool) -> None:
+    def __init__(
+        self, size: int, full_size: int, eps: float, ctx: ParallelContext, counted: bool, src_start: int
+    ) -> None:
+        """`src_start`: this rank's first feature in the checkpoint's weight."""
         super().__init__(size, eps)
         self.full_size = full_size
         self.parallel = ctx
         self.counted = counted
+        self.src_start = src_start
+
+    def weight_loader(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | None) -> None:
+        """This rank's slice of the checkpoint's norm weight (its heads' features)."""
+        dst.copy_(loaded[self.src_start : self.src_start + dst.shape[0]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.flatten(1)
@@ -71,9 +79,12 @@ class Olmo2Attention(LlamaAttention):
         eps = cfg["rms_norm_eps"]
         # A replicated KV head is held by `replicas` consecutive ranks; the first of them counts its squares.
         replicas = max(ctx.tp_size // total_kv, 1)
-        self.q_norm = ShardedRMSNorm(self.q_size, total_heads * self.head_dim, eps, ctx, counted=True)
+        self.q_norm = ShardedRMSNorm(
+            self.q_size, total_heads * self.head_dim, eps, ctx, True, self.q_head_start * self.head_dim
+        )
         self.k_norm = ShardedRMSNorm(
-            self.kv_size, total_kv * self.head_dim, eps, ctx, counted=ctx.tp_rank % replicas == 0
+            self.kv_size, total_kv * self.head_dim, eps, ctx, ctx.tp_rank % replicas == 0,
+            self.kv_head_start * self.head_dim,
         )
 
     def _norm_rope(
@@ -116,8 +127,8 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
-    """OLMo 2: `Olmo2DecoderLayer`s, the q/k norm weights sliced per TP rank
-    as q/k rows are."""
+    """OLMo 2: `Olmo2DecoderLayer`s (whose q/k norms load their rank's
+    slice of the checkpoint's weight themselves)."""
 
     decoder_layer = Olmo2DecoderLayer
 
@@ -125,10 +136,3 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         self, cfg: dict, dtype: torch.dtype, parallel: ParallelContext | None = None, with_lm_head: bool = True
     ) -> None:
         super().__init__({"rms_norm_eps": _OLMO2_RMS_NORM_EPS, **cfg}, dtype, parallel, with_lm_head)
-
-    def shard_of(self, name: str) -> tuple[str, tuple[int, int, int] | None, tuple[int, int] | None]:
-        if self.layers and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
-            attn = self.layers[0].self_attn
-            head, size = (attn.q_head_start, attn.q_size) if ".q_norm." in name else (attn.kv_head_start, attn.kv_size)
-            return name, (0, head * attn.head_dim, size), None
-        return super().shard_of(name)

@@ -29,7 +29,7 @@ from rayvllm.messages.sampling_params import SamplingParams
 from rayvllm.model_executor.extension_context import ForwardPositions, ModelLoadContext
 from rayvllm.model_executor.input_batch import CachedRequestState
 from rayvllm.model_executor.sampler import categorical_inverse_cdf
-from rayvllm.models.llama import LlamaForCausalLM
+from rayvllm.models.interface import CausalLM
 from rayvllm.models.loader import load_model
 from rayvllm.spec_decode.rejection_sampler import step_generator, target_probs
 
@@ -62,7 +62,7 @@ class DraftModelProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.model_path = config.model
         self.target_head_dim = target_head_dim
-        self.model: LlamaForCausalLM | None = None
+        self.model: CausalLM | None = None
         self.states: dict[str, DraftState] = {}
 
     def load_model(self, ctx: ModelLoadContext) -> None:

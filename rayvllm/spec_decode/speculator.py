@@ -12,7 +12,7 @@ from rayvllm.messages.engine_types import SpecDecodeOutput
 from rayvllm.model_executor.extension import ModelRunnerExtension
 from rayvllm.model_executor.extension_context import BeginStepContext, ModelLoadContext, SampleContext
 from rayvllm.model_executor.input_batch import CachedRequestState
-from rayvllm.models.llama import LlamaForCausalLM
+from rayvllm.models.interface import CausalLM
 from rayvllm.spec_decode.draft_proposer import DraftModelProposer
 from rayvllm.spec_decode.eligibility import can_speculate, past_min_tokens
 from rayvllm.spec_decode.ngram_proposer import NgramProposer
@@ -37,7 +37,7 @@ class Speculator(ModelRunnerExtension):
         if self.drafter is not None:
             self.drafter.load_model(ctx)
 
-    def kv_cache_models(self) -> list[LlamaForCausalLM]:
+    def kv_cache_models(self) -> list[CausalLM]:
         return [] if self.drafter is None or self.drafter.model is None else [self.drafter.model]
 
     def begin_step(self, ctx: BeginStepContext) -> None:
