@@ -130,7 +130,9 @@ def test_parallel_greedy_parity(ray_local: None, models: dict[str, Path], name: 
         stats = llm.llm_engine.engine_core.make_stats()
     finally:
         llm.shutdown()
-    assert stats.num_preemptions > 0
+    # A window on every layer holds a window's blocks per sequence (the rest
+    # go back to the pool): this pool, too small for the others, may suffice.
+    assert stats.num_preemptions > 0 or name == "mistral-window"
     assert got == _single_process(model_dir)
     for prompt, tokens in zip(prompts, got):
         assert tokens == hf_greedy(model_dir, prompt)[0]

@@ -134,7 +134,8 @@ class HeldExecutor(Executor):
 def make_core(*, async_scheduling: bool = True, max_num_seqs: int = 4) -> tuple[EngineCore, HeldExecutor]:
     config = EngineConfig(
         model_config=ModelConfig(
-            model="fake", tokenizer="fake", dtype="float32", max_model_len=256, seed=0, hf_config={}
+            model="fake", tokenizer="fake", dtype="float32", max_model_len=256, seed=0,
+            hf_config={"num_hidden_layers": 1},
         ),
         cache_config=CacheConfig(block_size=4, enable_prefix_caching=False),
         scheduler_config=SchedulerConfig(
