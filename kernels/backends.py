@@ -267,9 +267,14 @@ class FlashAttnBackend(_NHDTritonWriteBackend):
     cumulative context lengths; causal masking is aligned to the bottom
     right, i.e. query i of a sequence sees keys `<= i + seq_len - q_len`,
     which is our positions' rule. (vLLM's fork takes `seqused_k` instead of
-    `cu_seqlens_k`; the `flash_attn` package does not accept it.)"""
+    `cu_seqlens_k`; the `flash_attn` package does not accept it.) A sliding
+    window of W keys is its `window_size=(W - 1, 0)` (keys `p - (W - 1) ..
+    p`), a cap its `softcap` (flash-attn 2.6 on); neither is passed when the
+    layer has none, so older versions serve every other model."""
 
     name = "flash_attn"
+    supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -308,6 +313,11 @@ class FlashAttnBackend(_NHDTritonWriteBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         v = _varlen(metadata)
+        extra: dict[str, object] = {}
+        if window is not None:
+            extra["window_size"] = (window - 1, 0)
+        if softcap is not None:
+            extra["softcap"] = softcap
         return self._attend(
             query,
             key_cache,
@@ -319,6 +329,7 @@ class FlashAttnBackend(_NHDTritonWriteBackend):
             softmax_scale=scale,
             causal=True,
             block_table=v.block_table,
+            **extra,
         )
 
 

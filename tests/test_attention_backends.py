@@ -52,12 +52,9 @@ def test_auto_picks_by_device_and_availability(importable: dict[str, bool], monk
     assert type(_pick("cuda", block_size=16)) is TritonBackend  # flash-attn pages need 256
     assert type(_pick("cuda", dtype=torch.float32, block_size=256)) is TritonBackend  # flash-attn is half only
     assert type(_pick("cuda", block_size=256, head_size=80 + 4)) is TritonBackend
-    # A model with sliding-window layers skips a backend that takes no window.
-    windowed = select_attention_backend("cuda", BF16, 128, 256, "auto", windowed=True)
-    assert type(windowed) is TritonBackend and not FlashAttnBackend.supports_sliding_window
-    # So does one with soft-capped attention logits (Gemma 2) a backend that does not cap.
-    capped = select_attention_backend("cuda", BF16, 128, 256, "auto", softcapped=True)
-    assert type(capped) is TritonBackend and not FlashAttnBackend.supports_softcap
+    # Windowed and soft-capped models (Mistral, Gemma 2) take flash-attn too: it has both.
+    windowed = select_attention_backend("cuda", BF16, 128, 256, "auto", windowed=True, softcapped=True)
+    assert type(windowed) is FlashAttnBackend
     importable["flash_attn"] = False
     assert type(_pick("cuda", block_size=256)) is TritonBackend
     importable["triton"] = False
@@ -166,6 +163,23 @@ def test_triton_backend_runs_sliding_windows(tmp_path: Path, arch: str) -> None:
         assert out == hf_greedy(model, prompt)[0][: len(out)]
 
 
+@pytest.mark.parametrize("lacks", ["supports_sliding_window", "supports_softcap"])
+def test_a_backend_without_what_the_model_needs_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lacks: str
+) -> None:
+    """Every backend here takes windows and caps; one that did not (a
+    future kernel) is refused at start, naming attention_backend and what
+    the model needs, rather than run without it."""
+    from rayvllm.utils.random_model import RandomModelSpec, build_random_model
+
+    model = build_random_model(tmp_path / "gemma2", RandomModelSpec(
+        arch="gemma2", num_hidden_layers=2, head_dim=32, extra={"sliding_window": 8, "attn_logit_softcapping": 1.0}))
+    monkeypatch.setattr(TritonBackend, lacks, False)
+    with pytest.raises(InvalidParameterError, match="sliding-window" if "window" in lacks else "soft-caps") as e:
+        LLM(model=str(model), attention_backend="triton", max_model_len=64, kv_cache_memory_bytes=4 << 20)
+    assert e.value.param == "attention_backend"
+
+
 def _stand_in_flash_attn(calls: list[dict]) -> types.ModuleType:
     """A torch implementation of flash-attn 2's documented
     `flash_attn_varlen_func` for a paged cache, checking the argument
@@ -175,12 +189,14 @@ def _stand_in_flash_attn(calls: list[dict]) -> types.ModuleType:
     def flash_attn_varlen_func(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
         max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0, softmax_scale: float | None = None,
-        causal: bool = False, block_table: torch.Tensor | None = None,
+        causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert block_table is not None and block_table.dtype == torch.int32
         assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
         num_blocks, page, kv_heads, head_size = k.shape
         assert v.shape == k.shape and page % 256 == 0 and causal and dropout_p == 0.0
+        assert window_size[1] in (-1, 0)  # causal: nothing to the right
         calls.append(dict(cu_q=cu_seqlens_q.tolist(), cu_k=cu_seqlens_k.tolist(), table=block_table.tolist()))
         out = torch.empty_like(q)
         group = q.shape[1] // kv_heads
@@ -192,8 +208,13 @@ def _stand_in_flash_attn(calls: list[dict]) -> types.ModuleType:
             kb = k[pages].reshape(-1, kv_heads, head_size)[:k_len].repeat_interleave(group, 1)
             vb = v[pages].reshape(-1, kv_heads, head_size)[:k_len].repeat_interleave(group, 1)
             scores = torch.einsum("qhd,khd->hqk", q[q0:q1], kb) * softmax_scale
+            if softcap > 0:
+                scores = torch.tanh(scores / softcap) * softcap
             keys, queries = torch.arange(k_len, device=q.device), torch.arange(q1 - q0, device=q.device)
-            visible = keys[None, :] <= queries[:, None] + k_len - (q1 - q0)
+            last = queries[:, None] + k_len - (q1 - q0)
+            visible = keys[None, :] <= last
+            if window_size[0] >= 0:
+                visible &= keys[None, :] >= last - window_size[0]
             weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[q0:q1] = torch.einsum("hqk,khd->qhd", weights, vb)
         return out
@@ -203,11 +224,15 @@ def _stand_in_flash_attn(calls: list[dict]) -> types.ModuleType:
     return module
 
 
-def test_flash_attn_backend_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, 0.5)])
+def test_flash_attn_backend_plumbing(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, softcap: float | None
+) -> None:
     """Checks our plumbing, not flash-attn: NHD caches written by the Triton
     kernel, cu_seqlens_q/cu_seqlens_k and the int32 block table handed to a
     stand-in that implements flash-attn's documented semantics, on a batch
-    of a decode, a prefill over a cached prefix and a fresh prefill."""
+    of a decode, a prefill over a cached prefix and a fresh prefill; with a
+    window (its `window_size`) and soft-capped scores (its `softcap`)."""
     calls: list[dict] = []
     monkeypatch.setitem(sys.modules, "flash_attn", _stand_in_flash_attn(calls))
     backend = FlashAttnBackend()
@@ -250,22 +275,31 @@ def test_flash_attn_backend_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     scale = head_size**-0.5
     backend.reshape_and_cache(new_k, new_v, key_cache, value_cache, metadata)
-    out = backend.forward(query, new_k, new_v, key_cache, value_cache, metadata, scale)
+    out = backend.forward(query, new_k, new_v, key_cache, value_cache, metadata, scale, window, softcap)
     assert calls == [dict(cu_q=[0, 1, 6, 13], cu_k=[0, 300, 562, 569], table=[[4, 2], [1, 5], [3, 0]])]
     start = 0
     for (n, q_len, _), k, v in zip(seqs, full_k, full_v):
-        expected = _dense_causal(query[start : start + q_len], k, v, scale)
+        expected = _dense_causal(query[start : start + q_len], k, v, scale, window, softcap)
         torch.testing.assert_close(out[start : start + q_len], expected, atol=2e-5, rtol=1e-4)
         start += q_len
 
 
-def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[q, H, D]`, the last q positions of a sequence with keys `[L, KVH, D]`."""
+def _dense_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q `[q, H, D]`, the last q positions of a sequence with keys `[L, KVH, D]`
+    (each seeing its last `window` keys, scores capped at `softcap`, where given)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     keys, queries = torch.arange(k.shape[0], device=q.device), torch.arange(q.shape[0], device=q.device)
-    visible = keys[None, :] <= queries[:, None] + k.shape[0] - q.shape[0]
+    last = queries[:, None] + k.shape[0] - q.shape[0]
+    visible = keys[None, :] <= last
+    if window is not None:
+        visible &= keys[None, :] > last - window
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", weights, v).float()
 

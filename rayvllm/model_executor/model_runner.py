@@ -121,12 +121,12 @@ class ModelRunner:
         if windowed and not self.attn_backend.supports_sliding_window:
             raise InvalidParameterError(
                 "attention_backend", f"the model has sliding-window layers, which the {self.attn_backend.name} "
-                "backend does not run yet; the torch and triton backends do",
+                "backend does not run; 'auto' picks one that does",
             )
         if softcapped and not self.attn_backend.supports_softcap:
             raise InvalidParameterError(
                 "attention_backend", f"the model soft-caps its attention logits (attn_logit_softcapping), which "
-                f"the {self.attn_backend.name} backend does not do yet; the torch and triton backends do",
+                f"the {self.attn_backend.name} backend does not do; 'auto' picks one that does",
             )
         self.use_c_decode = (
             not self.attn_backend.uses_varlen_metadata
