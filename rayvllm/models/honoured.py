@@ -89,8 +89,8 @@ def layer_rope(cfg: dict[str, Any], window: int | None) -> tuple[float, dict[str
     `rope_local_base_freq`, unscaled), else the model's one setting."""
     if window is not None and cfg.get("rope_local_base_freq") is not None:
         return float(cfg["rope_local_base_freq"]), {}
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if set(rope) & set(_LAYER_KINDS):
+    rope = _rope_setting(cfg)
+    if _by_layer_kind(rope):
         rope = rope.get("sliding_attention" if window is not None else "full_attention") or {}
         return float(rope.get("rope_theta", 10000.0)), rope
     if rope.get("rope_type", rope.get("type")) == "longrope":
@@ -100,12 +100,20 @@ def layer_rope(cfg: dict[str, Any], window: int | None) -> tuple[float, dict[str
     return float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))), rope
 
 
+def _rope_setting(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE parameters, under either name transformers writes."""
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
+def _by_layer_kind(rope: dict[str, Any]) -> bool:
+    """The parameters are one setting per layer kind (Gemma 3's), not one setting."""
+    return bool(set(rope) & set(_LAYER_KINDS))
+
+
 def _rope_settings(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Every RoPE setting of the config (one, or one per layer kind)."""
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if set(rope) & set(_LAYER_KINDS):
-        return [r or {} for r in rope.values()]
-    return [rope]
+    rope = _rope_setting(cfg)
+    return [r or {} for r in rope.values()] if _by_layer_kind(rope) else [rope]
 
 
 @dataclass(frozen=True)
